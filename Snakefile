@@ -1,0 +1,35 @@
+# Image-classification pipeline: hydration check -> loader benchmark -> memory solve ->
+# LR finder runs -> LR summary -> DDP training -> evaluation. See README.md.
+import sys
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import min_version, validate
+
+from imgclf import settings
+from imgclf.errors import UserError
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+# A config mistake stops here with one sentence naming the key, not a traceback.
+try:
+    validate(config, "workflow/schemas/config.schema.yaml")
+    settings.checked(config)
+except WorkflowError as e:
+    sys.exit(settings.describe_validation_error(e.args[1]))
+except UserError as e:
+    sys.exit(str(e))
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/demo.smk"
+include: "workflow/rules/hydration.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        all_targets(config["cluster"]),

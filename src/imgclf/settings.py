@@ -1,0 +1,122 @@
+"""The config after schema validation: checks that need more than a schema, and the
+slices each stage receives, shared by the Snakemake rules and the CLI."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from imgclf import hardware
+from imgclf.errors import UserError
+
+DEMO_ROOT = "results/demo/digits"
+
+
+def describe_validation_error(err) -> str:
+    """One sentence from a jsonschema ValidationError: which key, what is wrong with it."""
+    where = ".".join(str(p) for p in err.absolute_path) or "the top level"
+    if err.validator == "additionalProperties":
+        allowed = sorted(err.schema.get("properties", {}))
+        extra = sorted(set(err.instance) - set(allowed))
+        if not allowed:  # free-form maps such as `clusters` nest a schema instead
+            return f"Config error in `{where}`: {err.message}."
+        return (f"Config error: unknown key {', '.join(repr(e) for e in extra)} in `{where}` "
+                f"(allowed: {', '.join(allowed)}).")
+    if err.validator in ("minimum", "exclusiveMinimum"):
+        return f"Config error: `{where}` is {err.instance!r} but must be positive ({err.message})."
+    if err.validator == "oneOf":
+        return f"Config error: `{where}` = {err.instance!r} is not valid here " \
+               f"(expected a positive number or 'auto')."
+    return f"Config error: `{where}` = {err.instance!r}: {err.message}."
+
+
+def checked(config: dict) -> dict:
+    """Checks beyond the schema; raise UserError with one sentence naming the key."""
+    name = config["cluster"]
+    if name not in config["clusters"]:
+        raise UserError(f"Unknown cluster {name!r} (config key `cluster`): choose one of "
+                        f"{', '.join(sorted(config['clusters']))} or add an entry under `clusters:`.")
+    root = data_root(config, name)
+    if not is_demo_root(config, root) and not Path(root).is_dir():
+        key = f"clusters.{name}.data_root" if config["clusters"][name].get("data_root") \
+            else "dataset.root"
+        raise UserError(f"Data root {root} does not exist: set `{key}` to the folder that "
+                        f"holds train/ and val/.")
+    return config
+
+
+def data_root(config: dict, cluster_name: str) -> str:
+    entry = config["clusters"].get(cluster_name, {})
+    return entry.get("data_root") or config["dataset"]["root"]
+
+
+def is_demo_root(config: dict, root: str) -> bool:
+    return os.path.normpath(root) == os.path.normpath(DEMO_ROOT)
+
+
+@functools.lru_cache(maxsize=None)
+def _cluster(name: str, clusters_items: tuple) -> dict:
+    return hardware.resolve_cluster(name, {k: dict(v) for k, v in clusters_items})
+
+
+def cluster(config: dict, name: str) -> dict:
+    """Resolved hardware entry (cached: detection runs nvidia-smi once per process)."""
+    items = tuple((k, tuple(sorted(v.items()))) for k, v in config["clusters"].items())
+    return _cluster(name, items)
+
+
+def expected_counts(config: dict) -> dict:
+    return {k: v for k, v in config["dataset"].items() if k.startswith("expected_")}
+
+
+def min_read_mb_s(config: dict, cluster_name: str) -> float:
+    entry = config["clusters"].get(cluster_name, {})
+    return entry.get("min_read_mb_s", config["hydration"]["min_read_mb_s"])
+
+
+# --- loading outside Snakemake (the CLI) ---------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+DEFAULT_CONFIG = REPO / "config" / "config.yaml"
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load(configfiles=(), overrides: dict | None = None) -> dict:
+    """config/config.yaml, then each file in `configfiles`, then `overrides`, validated as the
+    workflow validates it."""
+    import yaml
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    config: dict = {}
+    for path in [DEFAULT_CONFIG, *configfiles]:
+        try:
+            with open(path) as f:
+                config = _merge(config, yaml.safe_load(f) or {})
+        except FileNotFoundError:
+            raise UserError(f"Config file {path} does not exist.") from None
+    config = _merge(config, overrides or {})
+    try:
+        validate(config, str(SCHEMA))
+    except WorkflowError as e:
+        raise UserError(describe_validation_error(e.args[1])) from None
+    return checked(config)
+
+
+# --- the slice of config each stage receives -----------------------------------------------
+
+def hydration_params(config: dict, cluster_name: str) -> dict:
+    return {
+        "root": data_root(config, cluster_name),
+        "params": {**config["hydration"], **expected_counts(config)},
+        "min_read_mb_s": min_read_mb_s(config, cluster_name),
+        "cluster": cluster_name,
+    }

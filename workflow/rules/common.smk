@@ -1,0 +1,31 @@
+# Helpers for paths and config slices; the logic lives in the imgclf package.
+
+
+
+wildcard_constraints:
+    cluster="|".join(sorted(config["clusters"], key=len, reverse=True)),
+    run=r"\d+",
+
+
+def hw(wildcards):
+    """Hardware entry of the job's cluster, `auto` values resolved on this machine."""
+    return settings.cluster(config, wildcards.cluster)
+
+
+def data_root(wildcards):
+    return settings.data_root(config, wildcards.cluster)
+
+
+def data_input(wildcards):
+    """The demo folder when the cluster reads the bundled demo set (so it gets built)."""
+    root = data_root(wildcards)
+    return [root] if settings.is_demo_root(config, root) else []
+
+
+def code(*modules):
+    """Package modules a rule runs, as inputs: editing one reruns the rule and its dependents."""
+    return [f"src/imgclf/{m}.py" for m in modules]
+
+
+def all_targets(cluster):
+    return [f"results/hydration/{cluster}.json"]
