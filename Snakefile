@@ -19,7 +19,7 @@ try:
     validate(config, "workflow/schemas/config.schema.yaml")
     settings.checked(config)
 except WorkflowError as e:
-    sys.exit(settings.describe_validation_error(e.args[1]))
+    sys.exit(settings.describe_validation_error(e.__context__))
 except UserError as e:
     sys.exit(str(e))
 
@@ -27,6 +27,8 @@ except UserError as e:
 include: "workflow/rules/common.smk"
 include: "workflow/rules/demo.smk"
 include: "workflow/rules/hydration.smk"
+include: "workflow/rules/loader.smk"
+include: "workflow/rules/memory.smk"
 
 
 rule all:

@@ -15,13 +15,18 @@ DEMO_ROOT = "results/demo/digits"
 
 def describe_validation_error(err) -> str:
     """One sentence from a jsonschema ValidationError: which key, what is wrong with it."""
-    where = ".".join(str(p) for p in err.absolute_path) or "the top level"
+    import jsonschema
+
+    if not isinstance(err, jsonschema.ValidationError):
+        return f"Config error: {err}."
+    where = ".".join(str(p) for p in err.absolute_path)
     if err.validator == "additionalProperties":
         allowed = sorted(err.schema.get("properties", {}))
         extra = sorted(set(err.instance) - set(allowed))
         if not allowed:  # free-form maps such as `clusters` nest a schema instead
             return f"Config error in `{where}`: {err.message}."
-        return (f"Config error: unknown key {', '.join(repr(e) for e in extra)} in `{where}` "
+        place = f"in `{where}`" if where else "at the top level"
+        return (f"Config error: unknown key {', '.join(repr(e) for e in extra)} {place} "
                 f"(allowed: {', '.join(allowed)}).")
     if err.validator in ("minimum", "exclusiveMinimum"):
         return f"Config error: `{where}` is {err.instance!r} but must be positive ({err.message})."
@@ -44,6 +49,11 @@ def checked(config: dict) -> dict:
         raise UserError(f"Data root {root} does not exist: set `{key}` to the folder that "
                         f"holds train/ and val/.")
     return config
+
+
+def module_path(module: str) -> str:
+    """Absolute path of a package module, so rules can depend on the code they run."""
+    return str(Path(__file__).resolve().parent / f"{module}.py")
 
 
 def data_root(config: dict, cluster_name: str) -> str:
@@ -107,7 +117,7 @@ def load(configfiles=(), overrides: dict | None = None) -> dict:
     try:
         validate(config, str(SCHEMA))
     except WorkflowError as e:
-        raise UserError(describe_validation_error(e.args[1])) from None
+        raise UserError(describe_validation_error(e.__context__)) from None
     return checked(config)
 
 
@@ -119,4 +129,46 @@ def hydration_params(config: dict, cluster_name: str) -> dict:
         "params": {**config["hydration"], **expected_counts(config)},
         "min_read_mb_s": min_read_mb_s(config, cluster_name),
         "cluster": cluster_name,
+    }
+
+
+def loader_params(config: dict, cluster_name: str) -> dict:
+    """benchmark_loader: the data root, `loader.*`, the recipe and resolution it times (not
+    the architecture: a new model does not change the input pipeline), the hardware entry."""
+    return {
+        "root": data_root(config, cluster_name),
+        "loader": config["loader"],
+        "model": {"recipe": config["model"]["recipe"], "resolution": config["model"]["resolution"]},
+        "hw": cluster(config, cluster_name),
+    }
+
+
+def memory_params(config: dict, cluster_name: str) -> dict:
+    """solve_memory: `memory.*`, `model.*` and the hardware entry (the loader choice is an input
+    file, not config)."""
+    return {
+        "memory": config["memory"],
+        "model": config["model"],
+        "hw": cluster(config, cluster_name),
+    }
+
+
+def train_params(config: dict, cluster_name: str) -> dict:
+    """train: the data root, `model.*`, `train.*` and the resolved hardware entry (the memory
+    solve and the LR summary are input files, not config)."""
+    return {
+        "data_root": data_root(config, cluster_name),
+        "model": config["model"],
+        "train": config.get("train", {}),
+        "cluster": cluster(config, cluster_name),
+    }
+
+
+def evaluate_params(config: dict, cluster_name: str) -> dict:
+    """evaluate: the data root, `model.*`, `evaluate.*` and the resolved hardware entry."""
+    return {
+        "data_root": data_root(config, cluster_name),
+        "model": config["model"],
+        "evaluate": config.get("evaluate", {}),
+        "cluster": cluster(config, cluster_name),
     }

@@ -24,8 +24,12 @@ def data_input(wildcards):
 
 def code(*modules):
     """Package modules a rule runs, as inputs: editing one reruns the rule and its dependents."""
-    return [f"src/imgclf/{m}.py" for m in modules]
+    return [settings.module_path(m) for m in modules]
 
 
 def all_targets(cluster):
-    return [f"results/hydration/{cluster}.json"]
+    return [
+        f"results/hydration/{cluster}.json",
+        f"results/loader/{cluster}.json",
+        f"results/memory/{cluster}.json",
+    ]

@@ -1,0 +1,75 @@
+"""Shared fixtures: the demo data set built once, and throw-away copies of the workflow in
+which tests run Snakemake for real."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SNAKEMAKE = str(BIN / "snakemake")
+WORKFLOW_PARTS = ("Snakefile", "config", "workflow", "profiles")
+
+
+def copy_workflow(dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    for part in WORKFLOW_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(src, dest / part)
+        else:
+            shutil.copy2(src, dest / part)
+    return dest
+
+
+def snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | None = None):
+    """Run Snakemake in `workdir`; return the CompletedProcess (text, stdout+stderr merged)."""
+    return subprocess.run(
+        [SNAKEMAKE, "--cores", "2", *args], cwd=workdir, capture_output=True, text=True,
+        timeout=timeout, env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory) -> Path:
+    """The demo ImageFolder, built once per session by the real prepare_demo_data rule."""
+    work = copy_workflow(tmp_path_factory.mktemp("demo_build"))
+    res = snakemake(work, "results/demo/digits")
+    assert res.returncode == 0, res.stderr
+    return work / "results" / "demo" / "digits"
+
+
+@pytest.fixture
+def workflow_copy(tmp_path, demo_root) -> Path:
+    """A fresh copy of the workflow with the demo data already built in it."""
+    work = copy_workflow(tmp_path / "wf")
+    shutil.copytree(demo_root, work / "results" / "demo" / "digits")
+    return work
+
+
+# A short loader time budget: the tests check what the rules produce, not the figures.
+FAST_LOADER_YAML = """\
+loader:
+  seconds_per_config: 0.45
+  windows: 3
+  warmup_batches: 1
+"""
+
+
+@pytest.fixture(scope="session")
+def through_memory(tmp_path_factory, demo_root) -> Path:
+    """A workflow copy in which `snakemake results/memory/local.json` ran for real on the demo
+    data (hydration check, loader benchmark with a short time budget, memory solve)."""
+    work = copy_workflow(tmp_path_factory.mktemp("through_memory"))
+    shutil.copytree(demo_root, work / "results" / "demo" / "digits")
+    (work / "fast_loader.yaml").write_text(FAST_LOADER_YAML)
+    res = snakemake(work, "results/memory/local.json", "--configfile", "fast_loader.yaml")
+    assert res.returncode == 0, res.stdout + res.stderr
+    (work / "snakemake_output.txt").write_text(res.stdout + res.stderr)
+    return work

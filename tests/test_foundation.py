@@ -1,0 +1,177 @@
+"""The foundation: demo data, hydration check, config validation, profiles, CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REPO, copy_workflow, snakemake
+
+
+def tree_digest(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*.jpg"))}
+
+
+def test_demo_data_is_byte_identical_on_every_run(tmp_path, demo_root):
+    again = copy_workflow(tmp_path / "again")
+    res = snakemake(again, "results/demo/digits")
+    assert res.returncode == 0, res.stderr
+    first, second = tree_digest(demo_root), tree_digest(again / "results/demo/digits")
+    assert len(first) == 1797
+    assert first == second
+    counts = {split: len(list((demo_root / split).rglob("*.jpg"))) for split in ("train", "val")}
+    assert counts == {"train": 1438, "val": 359}
+    assert sorted(p.name for p in (demo_root / "train").iterdir()) == [str(d) for d in range(10)]
+
+
+def test_hydration_passes_on_demo_data(workflow_copy):
+    res = snakemake(workflow_copy, "results/hydration/local.json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads((workflow_copy / "results/hydration/local.json").read_text())
+    assert report["verdict"] == "pass"
+    assert report["census"]["splits"]["train"]["files"] == 1438
+    assert report["census"]["splits"]["val"]["classes"] == 10
+    assert report["decode"]["corrupt"] == [] and report["census"]["zero_byte"] == []
+    assert report["lustre"] is False and report["throughput"]["mb_per_s"] > 0
+    assert report["provenance"]["versions"]["torch"]
+    assert (workflow_copy / "logs/hydration/local.log").exists()
+
+
+def broken_copy(demo_root: Path, dest: Path) -> tuple[Path, Path, Path]:
+    shutil.copytree(demo_root, dest)
+    truncated = dest / "train" / "3" / sorted(os.listdir(dest / "train" / "3"))[0]
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    empty = dest / "val" / "7" / "empty.jpg"
+    empty.write_bytes(b"")
+    return dest, truncated, empty
+
+
+def write_config(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_hydration_names_truncated_and_zero_byte_files(workflow_copy, demo_root, tmp_path):
+    root, truncated, empty = broken_copy(demo_root, tmp_path / "broken")
+    cfg = write_config(tmp_path / "c.yaml",
+                       f"dataset: {{root: {root}}}\nhydration: {{decode_sample: 5000}}\n")
+    res = snakemake(workflow_copy, "results/hydration/local.json", "--configfile", str(cfg))
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert str(truncated) in out and str(empty) in out
+    assert "Hydration check failed" in out
+    assert not (workflow_copy / "results/hydration/local.json").exists()
+
+
+@pytest.fixture
+def lustre(tmp_path, demo_root, monkeypatch):
+    """Demo data 'on Lustre': the stub lfs on PATH with every val/ file released."""
+    root = tmp_path / "fsx"
+    shutil.copytree(demo_root, root)
+    released = sorted(str(p) for p in (root / "val").rglob("*.jpg"))
+    state = tmp_path / "released.txt"
+    state.write_text("\n".join(released))
+    env = {"PATH": f"{REPO / 'tests' / 'stubs'}:{os.environ['PATH']}",
+           "LFS_STUB_RELEASED": str(state)}
+    cfg = write_config(tmp_path / "c.yaml", f"dataset: {{root: {root}}}\n")
+    return {"root": root, "released": released, "state": state, "env": env, "cfg": cfg}
+
+
+def test_hydration_fails_on_released_files_with_restore_command(workflow_copy, lustre):
+    res = snakemake(workflow_copy, "results/hydration/local.json", "--configfile",
+                    str(lustre["cfg"]), env=lustre["env"])
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert f"{len(lustre['released'])} of 1797 files" in out
+    assert f"find {lustre['root']} -type f -print0 | xargs -0 -n 512 -P 4 lfs hsm_restore" in out
+    assert "hydration.restore: true" in out
+    assert "Traceback" not in out
+
+
+def test_hydration_restores_released_files_when_asked(workflow_copy, lustre):
+    cfg = write_config(lustre["cfg"], lustre["cfg"].read_text() + "hydration: {restore: true, "
+                       "restore_poll_s: 0.1, lfs_batch: 100}\n")
+    res = snakemake(workflow_copy, "results/hydration/local.json", "--configfile", str(cfg),
+                    env=lustre["env"])
+    assert res.returncode == 0, res.stderr
+    report = json.loads((workflow_copy / "results/hydration/local.json").read_text())
+    assert report["lustre"] is True
+    assert report["hsm"]["restored"] == 359 and report["hsm"]["released"] == 0
+    assert report["hsm"]["hydrated_fraction"] == 1.0
+    calls = (lustre["state"].parent / "released.txt.restore_calls").read_text().split()
+    assert sorted(int(c) for c in calls) == [59, 100, 100, 100]  # batched by lfs_batch
+
+
+BAD_CONFIGS = {
+    "unknown key": ("hydration: {decode_smaple: 3}\n", ["decode_smaple", "hydration"]),
+    "wrong type": ("hydration: {read_threads: many}\n", ["hydration.read_threads", "many"]),
+    "zero count": ("hydration: {read_sample_files: 0}\n", ["hydration.read_sample_files"]),
+    "negative count": ("clusters: {g5: {nodes: -2, gpus_per_node: 4, gpu_memory_gb: 24, "
+                       "cpus_per_node: 48, ram_gb: 192}}\n", ["clusters.g5.nodes", "-2"]),
+    "missing data root": ("dataset: {root: /no/such/imagenet}\n",
+                          ["/no/such/imagenet", "dataset.root"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_stops_with_one_sentence(case, tmp_path):
+    work = copy_workflow(tmp_path / "wf")
+    text, needles = BAD_CONFIGS[case]
+    cfg = write_config(tmp_path / "bad.yaml", text)
+    res = snakemake(work, "-n", "--configfile", str(cfg))
+    assert_one_sentence_error(res, needles)
+
+
+def test_unknown_cluster_stops_with_one_sentence(tmp_path):
+    work = copy_workflow(tmp_path / "wf")
+    res = snakemake(work, "-n", "--config", "cluster=g6")
+    assert_one_sentence_error(res, ["'g6'", "cluster", "g5, local, p3, p4"])
+
+
+def assert_one_sentence_error(res, needles):
+    out = (res.stdout + res.stderr).strip()
+    assert res.returncode != 0
+    assert "Traceback" not in out and 'File "' not in out
+    # Snakemake's own notice about --configfile may precede it; the error is one line
+    lines = [line for line in out.splitlines()
+             if line.strip() and "is extended by additional config" not in line]
+    assert len(lines) == 1, out
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_profiles_resolve_without_error(tmp_path):
+    work = copy_workflow(tmp_path / "wf")
+    assert not (REPO / "profiles" / "default").exists()
+    for name in ("local", "g5", "p3", "p4"):
+        res = subprocess.run([str(BIN / "snakemake"), "--profile", f"profiles/{name}", "-n",
+                              f"results/hydration/{name}.json"], cwd=work, capture_output=True,
+                             text=True)
+        assert res.returncode == 0, res.stderr
+        assert "check_hydration" in res.stdout
+
+
+def test_cli_has_help_for_every_stage():
+    res = subprocess.run([str(BIN / "imgclf"), "--help"], capture_output=True, text=True)
+    assert res.returncode == 0
+    commands = [c for c in ("demo-data", "check-hydration", "provenance") if c in res.stdout]
+    assert len(commands) == 3
+    for command in commands:
+        sub = subprocess.run([str(BIN / "imgclf"), command, "--help"], capture_output=True,
+                             text=True)
+        assert sub.returncode == 0 and "usage:" in sub.stdout
+
+
+def test_cli_reports_user_error_without_traceback():
+    res = subprocess.run([str(BIN / "imgclf"), "check-hydration", "--cluster", "g6"],
+                         capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "Unknown cluster 'g6'" in res.stderr and "Traceback" not in res.stderr
