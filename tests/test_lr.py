@@ -1,0 +1,164 @@
+"""LR finder: suggestions, the cross-check with torch-lr-finder, aggregation, scaling, and a
+real Snakemake run of the LR stage on the demo data."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import snakemake
+from imgclf import lr_find
+from imgclf.errors import UserError
+
+LRS = np.logspace(-5, 1, 121)  # 20 points per decade
+
+
+def test_steepest_finds_known_steepest_point():
+    x = np.log10(LRS)
+    loss = 3 - np.tanh((x + 2) / 0.4) + np.where(x > 0, 50 * x**2, 0)  # falls fastest at 1e-2
+    assert lr_find.suggest_steepest(LRS, loss, 10, 5) == pytest.approx(1e-2)
+
+
+def test_steepest_ignores_the_diverging_tail_until_minimum():
+    x = np.log10(LRS)
+    loss = 3 - np.tanh((x + 3) / 0.5) + np.where(x > -1, 40 * (x + 1) ** 2, 0)
+    loss[-12] -= 30  # a wild swing after divergence would be "steepest" over the whole window
+    assert lr_find.suggest_steepest(LRS, loss, 10, 5) == pytest.approx(1e-3)
+    assert lr_find.suggest_steepest(LRS, loss, 10, 5, until_minimum=False) > 1
+
+
+def test_valley_on_hand_made_curve():
+    lrs = [10.0 ** (-5 + i / 2) for i in range(12)]
+    losses = [3, 4, 9, 8, 7, 6, 5, 4, 3, 2, 5, 8]
+    # longest descent: 4 (index 1) is left out; 9..2 runs from index 2 to 9, so fastai's
+    # max_start = 9 - 8 = 1, thirds of 8/3 -> index 1 + 2 + 1 = 4
+    assert lr_find.suggest_valley(lrs, losses, 0, 0) == lrs[4]
+
+
+def test_non_finite_losses_are_dropped_first():
+    x = np.log10(LRS)
+    loss = 3 - np.tanh((x + 2) / 0.4)
+    with_bad = loss.copy()
+    with_bad[[30, 31, 100]] = [np.nan, np.inf, np.nan]
+    keep = np.isfinite(with_bad)
+    expected = lr_find.suggest_steepest(LRS[keep], loss[keep], 10, 5)
+    assert lr_find.suggest_steepest(LRS, with_bad, 10, 5) == expected
+    assert lr_find.suggest_valley(LRS, with_bad, 10, 5) is not None
+    assert lr_find.suggest_steepest(LRS[:20], [np.nan] * 20, 10, 5) is None
+
+
+def test_steepest_matches_torch_lr_finder_plot_in_library_convention():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch_lr_finder import LRFinder
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 8)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    finder = LRFinder(model, opt, torch.nn.CrossEntropyLoss())
+    finder.range_test(DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True),
+                      start_lr=1e-4, end_lr=1, num_iter=40, diverge_th=1e9)
+    fig, ax = plt.subplots()
+    _, library_lr = finder.plot(skip_start=5, skip_end=3, ax=ax, suggest_lr=True)
+    plt.close(fig)
+    ours = lr_find.suggest_steepest(finder.history["lr"], finder.history["loss"], 5, 3,
+                                    gradient="index", until_minimum=False)
+    assert ours == library_lr
+
+
+def fake_run(run, steepest, nonfinite_at=None, lrs=None):
+    lrs = list(lrs if lrs is not None else LRS)
+    loss = [1.0] * len(lrs)
+    return {"run": run, "seed": run, "batch_size": 64, "effective_batch": 64,
+            "suggestions": {"steepest": steepest, "valley": steepest},
+            "diverged": nonfinite_at is not None,
+            "diverged_at": None if nonfinite_at is None else {"iteration": nonfinite_at},
+            "first_nonfinite_iteration": nonfinite_at,
+            "history": {"lr": lrs, "smoothed_loss": loss, "loss": loss}}
+
+
+CFG = {"suggestion": "steepest", "scaling": "linear", "spread_limit": 4.0, "on_spread": "warn"}
+MEMORY = {"global_batch": 256}
+
+
+def test_aggregation_log_median_spread_and_excluded_run():
+    runs = [fake_run(0, 0.01), fake_run(1, 0.04), fake_run(2, 0.02),
+            fake_run(3, 0.5, nonfinite_at=10)]  # NaN at lr ~3e-5, before its suggestion
+    s = lr_find.summarize(runs, MEMORY, CFG, "goyal")
+    assert s["chosen_lr"] == pytest.approx(0.02)
+    assert s["valid_runs"] == 3
+    assert [r["excluded"] for r in s["runs"]] == [False, False, False, True]
+    assert "before its suggestion" in s["runs"][3]["flags"][0]
+    assert s["spread"]["min"] == 0.01 and s["spread"]["max"] == 0.04
+    assert s["spread"]["max_over_min"] == pytest.approx(4.0)
+    assert s["spread"]["geometric_std"] == pytest.approx(math.exp(np.std(np.log([0.01, 0.04, 0.02]))))
+    assert s["training_lr"] == pytest.approx(0.02 * 256 / 64)
+    assert s["reference_lr"] == pytest.approx(0.1)  # goyal: 0.1 per 256
+    assert any("run 3 excluded" in w for w in s["warnings"])
+
+
+def test_spread_limit_warns_or_fails():
+    runs = [fake_run(0, 0.001), fake_run(1, 0.1)]
+    s = lr_find.summarize(runs, MEMORY, CFG, "goyal")
+    assert any("disagree" in w for w in s["warnings"])
+    with pytest.raises(UserError, match="lr_finder.spread_limit"):
+        lr_find.summarize(runs, MEMORY, {**CFG, "on_spread": "fail"}, "goyal")
+    with pytest.raises(UserError, match="No LR-finder run"):
+        lr_find.summarize([fake_run(0, None)], MEMORY, CFG, "goyal")
+
+
+def test_scaling_rules():
+    assert lr_find.scale_lr(0.1, 64, 256, "linear") == pytest.approx(0.4)
+    assert lr_find.scale_lr(0.1, 64, 256, "sqrt") == pytest.approx(0.2)
+    assert lr_find.scale_lr(0.1, 64, 256, "none") == pytest.approx(0.1)
+
+
+def test_torchvision_v2_reference_lr_at_global_batch():
+    s = lr_find.summarize([fake_run(0, 0.1)], {"global_batch": 512}, CFG, "torchvision_v2")
+    assert s["reference_lr"] == pytest.approx(0.5 * 512 / 1024)
+
+
+FAST = """
+loader: {workers: [0], prefetch_factors: [2], decoders: [tensor], seconds_per_config: 0.3,
+         windows: 2, measure_seed_default: false}
+lr_finder: {num_iter: 30, skip_start: 3, skip_end: 2}
+"""
+
+
+def test_lr_stage_runs_for_real_and_is_reproducible(workflow_copy):
+    (workflow_copy / "fast.yaml").write_text(FAST)
+    res = snakemake(workflow_copy, "results/lr/local_summary.json", "--configfile", "fast.yaml")
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = [json.loads((workflow_copy / f"results/lr/local/run{i}.json").read_text())
+            for i in range(3)]
+    memory = json.loads((workflow_copy / "results/memory/local.json").read_text())
+    assert [r["seed"] for r in runs] == [0, 1, 2]
+    assert all(r["batch_size"] == memory["per_gpu_batch"] for r in runs)
+    assert runs[0]["history"]["loss"] != runs[1]["history"]["loss"]  # seeds differ
+    summary = json.loads((workflow_copy / "results/lr/local_summary.json").read_text())
+    assert summary["valid_runs"] + sum(r["excluded"] for r in summary["runs"]) == 3
+    assert summary["global_batch"] == memory["global_batch"]
+    assert summary["training_lr"] == pytest.approx(
+        summary["chosen_lr"] * memory["global_batch"] / runs[0]["effective_batch"])
+    png = workflow_copy / "results/lr/local.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(png) as img:
+        assert img.size[0] > 400 and img.size[1] > 300
+
+    # the same seed twice gives the identical history
+    again = snakemake(workflow_copy, "results/lr/local/run0.json", "--configfile", "fast.yaml",
+                      "--forcerun", "lr_find")
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = json.loads((workflow_copy / "results/lr/local/run0.json").read_text())
+    assert rerun["provenance"]["created"] >= runs[0]["provenance"]["created"]
+    assert rerun["history"] == runs[0]["history"]

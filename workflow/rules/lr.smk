@@ -1,0 +1,40 @@
+rule lr_find:
+    """One LR range test on one device at the per-GPU batch of the cluster (seed = seed + run)."""
+    input:
+        memory="results/memory/{cluster}.json",
+        data=data_input,
+        code=code("lr_find", "recipes", "data"),
+    output:
+        "results/lr/{cluster}/run{run}.json",
+    params:
+        p=lambda wc: settings.lr_find_params(config, wc.cluster),
+    resources:
+        gpu=1,
+    threads: 1
+    log:
+        "logs/lr/{cluster}/run{run}.log",
+    benchmark:
+        "benchmarks/lr_find/{cluster}_run{run}.tsv"
+    script:
+        "../scripts/lr_find.py"
+
+
+rule summarize_lr:
+    """The chosen LR (log-median of the runs), its spread, and the LR scaled to the global batch."""
+    input:
+        runs=lambda wc: lr_runs(wc.cluster),
+        memory="results/memory/{cluster}.json",
+        code=code("lr_find"),
+    output:
+        summary="results/lr/{cluster}_summary.json",
+        plot=report(
+            "results/lr/{cluster}.png",
+            caption="../report/lr.rst",
+            category="4. Learning rate",
+        ),
+    params:
+        p=lambda wc: settings.lr_summary_params(config, wc.cluster),
+    log:
+        "logs/lr/{cluster}_summary.log",
+    script:
+        "../scripts/summarize_lr.py"
