@@ -29,6 +29,7 @@ include: "workflow/rules/demo.smk"
 include: "workflow/rules/hydration.smk"
 include: "workflow/rules/loader.smk"
 include: "workflow/rules/memory.smk"
+include: "workflow/rules/lr.smk"
 
 
 rule all:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from imgclf import settings, stage
@@ -45,6 +46,140 @@ def cmd_check_hydration(args):
     print(f"verdict: {report['verdict']}")
 
 
+def cmd_benchmark_loader(args):
+    from imgclf import loader_bench
+
+    config = _config(args)
+    name = config["cluster"]
+    out = args.out or f"results/loader/{name}"
+    report = loader_bench.run_stage(**settings.loader_params(config, name), out_json=f"{out}.json",
+                                    out_csv=f"{out}.csv", out_png=f"{out}.png")
+    print(json.dumps({"choice": report["choice"], "seed_default": report["seed_default"]}))
+
+
+def cmd_solve_memory(args):
+    from imgclf import memory
+
+    config = _config(args)
+    name = config["cluster"]
+    out = args.out or f"results/memory/{name}"
+    report = memory.run_stage(**settings.memory_params(config, name),
+                              loader_json=args.loader or f"results/loader/{name}.json",
+                              out_json=f"{out}.json", out_png=f"{out}.png")
+    print(json.dumps({k: report[k] for k in (
+        "method", "per_gpu_batch", "accumulate_grad_batches", "global_batch", "num_workers",
+        "prefetch_factor", "decoder", "predicted_gpu_bytes", "predicted_host_bytes")}))
+
+
+def _rank_zero_log(path: str) -> str | None:
+    """--log of a DDP command: every rank runs the same command line (Lightning re-executes it,
+    srun starts it per task), so only the first process writes the file; the others use stderr."""
+    ranks = (os.environ.get(v, "0") for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+    return path if all(r in ("", "0") for r in ranks) else None
+
+
+def _ddp_common(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--params-json", default=None,
+                   help=f"the {what} config slice as JSON (what the Snakemake rule passes); "
+                        "default: computed from config/config.yaml, --configfile and --cluster")
+    p.add_argument("--configfile", action="append", default=[],
+                   help="extra YAML config merged over config/config.yaml (repeatable)")
+    p.add_argument("--cluster", default=None, help="hardware entry (default: config `cluster`)")
+    p.add_argument("--memory", default=None,
+                   help="memory solve JSON (default results/memory/CLUSTER.json)")
+    p.add_argument("--log", default=None, type=_rank_zero_log,
+                   help="also write the log to this file (rank 0 only)")
+
+
+def _stage_params(args, make) -> tuple[dict, str]:
+    """(config slice, cluster name) from --params-json, or from the config files."""
+    from imgclf.errors import UserError
+
+    if args.params_json is None:
+        config = _config(args)
+        return make(config, config["cluster"]), config["cluster"]
+    if args.configfile or args.cluster:
+        raise UserError("Give either --params-json or --configfile/--cluster, not both.")
+    try:
+        params = json.loads(args.params_json)
+        return params, params["cluster"]["name"]
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"--params-json is not a JSON object with cluster.name ({e}).") from None
+
+
+def cmd_train(args):
+    from imgclf import train
+
+    params, name = _stage_params(args, settings.train_params)
+    summary = train.run(params, args.memory or f"results/memory/{name}.json",
+                        args.lr_summary or f"results/lr/{name}_summary.json",
+                        args.out_dir or f"results/train/{name}")
+    if summary is not None:  # global rank 0
+        print(json.dumps({"best_val_acc1": summary["best"]["val_acc1"],
+                          "best_epoch": summary["best"]["epoch"],
+                          **{k: summary[k] for k in ("epochs_run", "world_size", "images_per_s",
+                                                     "wall_seconds")}}))
+
+
+def cmd_evaluate(args):
+    from imgclf import evaluate
+
+    params, name = _stage_params(args, settings.evaluate_params)
+    report = evaluate.run(params, args.memory or f"results/memory/{name}.json",
+                          args.checkpoint or f"results/train/{name}/best.ckpt",
+                          args.out or f"results/eval/{name}.json",
+                          args.confusion or f"results/eval/{name}_confusion.png")
+    print(json.dumps({k: report[k] for k in ("top1", "top5", "loss", "num_images")}))
+
+
+def _upstream(path: str, target: str) -> str:
+    from pathlib import Path
+
+    from imgclf.errors import UserError
+
+    if not Path(path).is_file():
+        raise UserError(f"{path} does not exist: run `snakemake {target}` first.")
+    return path
+
+
+def cmd_lr_find(args):
+    from imgclf import lr_find
+
+    config = _config(args)
+    name = config["cluster"]
+    p = settings.lr_find_params(config, name)
+    memory = _upstream(args.memory or f"results/memory/{name}.json", f"results/memory/{name}.json")
+    runs = args.runs or config["lr_finder"]["runs"]
+    for run in range(runs):
+        out = f"{args.out_dir or f'results/lr/{name}'}/run{run}.json"
+        result = lr_find.run_find(**p, memory_path=memory, run=run, out=out,
+                                  batch_size=args.batch_size)
+        print(f"{out}: steepest {result['suggestions']['steepest']}, "
+              f"valley {result['suggestions']['valley']}, {result['wall_time_s']} s")
+
+
+def cmd_lr_summary(args):
+    import glob
+
+    from imgclf import lr_find
+
+    config = _config(args)
+    name = config["cluster"]
+    folder = args.out_dir or f"results/lr/{name}"
+    runs = args.runs_json or sorted(glob.glob(f"{folder}/run*.json"))
+    if not runs:
+        from imgclf.errors import UserError
+
+        raise UserError(f"No LR-finder runs in {folder}: run `imgclf lr-find --cluster {name}` first.")
+    memory = _upstream(args.memory or f"results/memory/{name}.json", f"results/memory/{name}.json")
+    summary = lr_find.run_summary(runs, memory, **settings.lr_summary_params(config, name),
+                                  out=f"{folder}_summary.json", plot=f"{folder}.png")
+    print(f"chosen LR {summary['chosen_lr']:.4g} (spread x{summary['spread']['max_over_min']:.2f}"
+          f" over {summary['valid_runs']} runs); training LR {summary['training_lr']:.4g} at "
+          f"global batch {summary['global_batch']} ({summary['scaling']}); recipe reference "
+          f"{summary['reference_lr']:.4g}")
+
+
 def cmd_provenance(args):
     from imgclf.provenance import describe, read_json
 
@@ -66,6 +201,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="report path (default results/hydration/CLUSTER.json)")
     p.add_argument("--restore", action="store_true", help="restore released files, then check again")
     p.set_defaults(fn=cmd_check_hydration)
+
+    p = sub.add_parser("benchmark-loader",
+                       help="time the input pipeline over workers x prefetch x decoder; choose")
+    _common(p)
+    p.add_argument("--out", default=None,
+                   help="output prefix for .json/.csv/.png (default results/loader/CLUSTER)")
+    p.set_defaults(fn=cmd_benchmark_loader)
+
+    p = sub.add_parser("solve-memory",
+                       help="largest per-device batch, accumulation, loader RAM check")
+    _common(p)
+    p.add_argument("--loader", default=None,
+                   help="loader benchmark JSON (default results/loader/CLUSTER.json)")
+    p.add_argument("--out", default=None,
+                   help="output prefix for .json/.png (default results/memory/CLUSTER)")
+    p.set_defaults(fn=cmd_solve_memory)
+
+    p = sub.add_parser("lr-find", help="repeated single-device LR range tests (torch-lr-finder)")
+    _common(p)
+    p.add_argument("--runs", type=int, default=None, help="number of runs (default lr_finder.runs)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="override the per-GPU batch from the memory solve (e.g. after an OOM)")
+    p.add_argument("--memory", default=None, help="memory solve (default results/memory/CLUSTER.json)")
+    p.add_argument("--out-dir", default=None, help="folder of runN.json (default results/lr/CLUSTER)")
+    p.set_defaults(fn=cmd_lr_find)
+
+    p = sub.add_parser("lr-summary", help="aggregate LR-finder runs into one chosen, scaled LR")
+    _common(p)
+    p.add_argument("--memory", default=None, help="memory solve (default results/memory/CLUSTER.json)")
+    p.add_argument("--out-dir", default=None, help="folder of runN.json (default results/lr/CLUSTER); "
+                   "the summary goes beside it as FOLDER_summary.json and FOLDER.png")
+    p.add_argument("runs_json", nargs="*", help="run JSON files (default: every FOLDER/run*.json)")
+    p.set_defaults(fn=cmd_lr_summary)
+
+    p = sub.add_parser("train", help="DDP training (Lightning), resumes from last.ckpt")
+    _ddp_common(p, "train")
+    p.add_argument("--lr-summary", default=None,
+                   help="LR summary JSON (default results/lr/CLUSTER_summary.json)")
+    p.add_argument("--out-dir", default=None, help="default results/train/CLUSTER")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("evaluate", help="top-1/top-5, per-class accuracy, confusion matrix")
+    _ddp_common(p, "evaluate")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint to evaluate (default results/train/CLUSTER/best.ckpt)")
+    p.add_argument("--out", default=None, help="report JSON (default results/eval/CLUSTER.json)")
+    p.add_argument("--confusion", default=None,
+                   help="confusion PNG (default results/eval/CLUSTER_confusion.png)")
+    p.set_defaults(fn=cmd_evaluate)
 
     p = sub.add_parser("provenance", help="print the provenance of result JSON files")
     p.add_argument("files", nargs="+")

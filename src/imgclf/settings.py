@@ -153,6 +153,27 @@ def memory_params(config: dict, cluster_name: str) -> dict:
     }
 
 
+FIND_KEYS = ("seed", "start_lr", "end_lr", "num_iter", "smooth_f", "diverge_th", "accumulate",
+             "skip_start", "skip_end", "gradient", "until_minimum")
+
+
+def lr_find_params(config: dict, cluster_name: str) -> dict:
+    """lr_find: what one range test depends on (not the run count or how runs are combined,
+    so adding a run or changing the scaling rule does not redo the existing runs)."""
+    return {
+        "root": data_root(config, cluster_name),
+        "model": config["model"],
+        "cfg": {k: config["lr_finder"][k] for k in FIND_KEYS},
+    }
+
+
+def lr_summary_params(config: dict, cluster_name: str) -> dict:
+    """summarize_lr: how runs are combined and scaled, and the recipe (its reference LR)."""
+    keys = ("suggestion", "scaling", "spread_limit", "on_spread")
+    return {"cfg": {k: config["lr_finder"][k] for k in keys},
+            "recipe_name": config["model"]["recipe"]}
+
+
 def train_params(config: dict, cluster_name: str) -> dict:
     """train: the data root, `model.*`, `train.*` and the resolved hardware entry (the memory
     solve and the LR summary are input files, not config)."""

@@ -32,4 +32,9 @@ def all_targets(cluster):
         f"results/hydration/{cluster}.json",
         f"results/loader/{cluster}.json",
         f"results/memory/{cluster}.json",
+        f"results/lr/{cluster}_summary.json",
     ]
+
+
+def lr_runs(cluster):
+    return [f"results/lr/{cluster}/run{i}.json" for i in range(config["lr_finder"]["runs"])]

@@ -1,0 +1,259 @@
+"""solve_memory: the real rule on the demo data, the estimator against hand counts, the
+p3 < g5 < p4 ordering for ResNet-50, accumulation, the OOM back-off and the failure sentence."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import BIN
+from imgclf import memory, settings
+from imgclf.errors import UserError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# bf16-mixed: the same 2-byte activations as 16-mixed (the linear-stack test checks that both
+# count alike), and float16 convolutions on a CPU without AVX512-FP16 take ~10x longer
+RESNET50_AMP = {"arch": "resnet50", "recipe": "torchvision_v2", "resolution": 224,
+                "precision": "bf16-mixed", "channels_last": True}
+
+
+def loader_report(cluster: str, num_classes: int = 1000, workers: int = 8, prefetch: int = 2,
+                  batch: int = 128, resolution: int = 224) -> dict:
+    """The parts of a loader benchmark report that the solve reads."""
+    batch_bytes = batch * 3 * resolution * resolution * 4
+    chosen = {"decoder": "tensor", "num_workers": workers, "prefetch_factor": prefetch,
+              "images_per_s": 1000.0, "chosen": True,
+              "ram_bytes": int(0.6e9 + workers * (0.1e9 + prefetch * batch_bytes))}
+    return {"cluster": cluster, "num_classes": num_classes, "rows": [chosen],
+            "choice": {k: chosen[k] for k in ("decoder", "num_workers", "prefetch_factor",
+                                              "images_per_s")} | {"why": "test"},
+            "process_baseline_bytes": int(0.6e9), "batch_bytes": batch_bytes,
+            "ram_margin": 0.8, "note": None}
+
+
+def test_rule_on_demo_data_solves_the_cpu_cluster(through_memory):
+    report = json.loads((through_memory / "results/memory/local.json").read_text())
+    loader = json.loads((through_memory / "results/loader/local.json").read_text())
+    assert report["method"] == "estimated" and report["accelerator"] == "cpu"
+    assert report["devices_per_node"] == 2 and report["nodes"] == 1
+    # CPU-only: the recipe's global batch (128) over 2 ranks, well inside the host RAM budget
+    assert report["per_gpu_batch"] == 64 and report["limited_by"] == "target_global_batch"
+    assert report["accumulate_grad_batches"] == 1 and report["global_batch"] == 128
+    assert report["lr_finder_batch"] == report["per_gpu_batch"]
+    assert report["decoder"] == loader["choice"]["decoder"]
+    assert report["num_workers"] <= loader["choice"]["num_workers"]
+    assert report["predicted_gpu_bytes"] is None
+    assert 0 < report["predicted_host_bytes"] <= report["host_ram_budget_bytes"]
+    assert any("no GPU" in w for w in report["warnings"])
+    parts = report["breakdown"]
+    assert parts["weights"] == parts["gradients"] == parts["optimizer_state"] == \
+        report["model"]["params"] * 4  # fp32 weights, SGD momentum: one float per parameter
+    assert report["model"]["num_classes"] == 10
+    assert (through_memory / "results/memory/local.png").read_bytes()[:8] == PNG_MAGIC
+    assert (through_memory / "benchmarks/memory/local.tsv").exists()
+    assert "results/loader/local.json" in report["provenance"]["inputs"]
+    out = (through_memory / "snakemake_output.txt").read_text()
+    assert "gpu=0" in out.split("rule solve_memory:")[1].split("Finished")[0]
+
+
+def test_activation_count_of_a_linear_stack_matches_the_hand_count():
+    a, b, c, d = 7, 11, 13, 5
+    model = nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, c), nn.Tanh(), nn.Linear(c, d))
+
+    def make_batch(n):
+        return torch.randn(n, a), torch.zeros(n)
+
+    # fp32: the ReLU output (also the 2nd linear's input) and the Tanh output (also the 3rd
+    # linear's input) are saved; the input batch and the weights are not activations
+    prof = memory.saved_tensor_profile(model, make_batch, lambda out, y: out.sum(), "32")
+    assert prof["per_sample_bytes"] == 4 * (b + c)
+    assert prof["fixed_bytes"] == 0
+    assert prof["largest_per_sample_bytes"] == 4 * max(b, c)
+    # bf16 autocast: the bf16 copy of the input and of each hidden output per sample; the bf16
+    # copies of the 2nd and 3rd weights (the 1st is not needed: the input needs no gradient)
+    prof = memory.saved_tensor_profile(model, make_batch, lambda out, y: out.sum(), "bf16-mixed")
+    assert prof["per_sample_bytes"] == 2 * (a + b + c)
+    assert prof["fixed_bytes"] == 2 * (b * c + c * d)
+    assert prof["bytes_by_dtype"] == {"bfloat16": 3 * 2 * (a + b + c) + 2 * (b * c + c * d)}
+    fp16 = memory.saved_tensor_profile(model, make_batch, lambda out, y: out.sum(), "16-mixed")
+    assert fp16["bytes_by_dtype"] == {"float16": prof["bytes_by_dtype"]["bfloat16"]}
+
+
+def test_resnet50_amp_batch_grows_with_gpu_memory_p3_g5_p4():
+    config = settings.load()
+    results = {}
+    for name in ("p3", "g5", "p4"):
+        hw = settings.cluster(config, name)
+        results[name] = memory.solve(config["memory"], RESNET50_AMP, hw, loader_report(name))
+    p3, g5, p4 = (results[n] for n in ("p3", "g5", "p4"))
+    assert 0 < p3["per_gpu_batch"] < g5["per_gpu_batch"] < p4["per_gpu_batch"]
+    for name, r in results.items():
+        hw = settings.cluster(config, name)
+        assert r["method"] == "estimated" and r["per_gpu_batch"] % 8 == 0
+        assert r["predicted_gpu_bytes"] <= 0.85 * hw["gpu_memory_gb"] * 1e9
+        assert r["accumulate_grad_batches"] == math.ceil(
+            1024 / (r["per_gpu_batch"] * hw["gpus_per_node"] * hw["nodes"]))
+        assert r["global_batch"] == r["per_gpu_batch"] * hw["gpus_per_node"] * hw["nodes"] * \
+            r["accumulate_grad_batches"]
+        assert r["lr_finder_batch"] == r["per_gpu_batch"]
+        assert r["breakdown"]["optimizer_state"] == r["model"]["params"] * 4
+        # the next multiple of 8 would not fit under the margin
+        over = memory.breakdown(r["per_gpu_batch"] + 8, memory.model_profile(
+            "resnet50", 1000, 224, "bf16-mixed", True, "torchvision_v2"),
+            resolution=224, state_floats=1, world=hw["gpus_per_node"], memory=config["memory"],
+            gpu=True)
+        assert sum(over.values()) > 0.85 * hw["gpu_memory_gb"] * 1e9 or \
+            r["limited_by"] == "max_batch"
+
+
+def test_accumulation_arithmetic():
+    assert memory.accumulation(1024, 96, 4, 1) == 3  # 96 x 4 x 3 = 1152 >= 1024
+    assert memory.accumulation(1024, 256, 4, 1) == 1
+    assert memory.accumulation(1024, 64, 8, 2) == 1
+    assert memory.accumulation(2048, 40, 8, 1) == 7  # 40 x 8 x 6 = 1920 < 2048
+    assert memory.accumulation(128, 200, 2, 1) == 1
+    assert memory.round_down(150, 8) == 144 and memory.round_down(5, 8) == 5
+
+
+def test_cpu_cluster_capped_by_host_ram_accumulates():
+    config = settings.load()
+    model = {"arch": "resnet18", "recipe": "demo", "resolution": 32, "precision": "32",
+             "channels_last": False}
+    loader = loader_report("tinycpu", num_classes=10, workers=0, prefetch=0, batch=64,
+                           resolution=32)
+    loader["process_baseline_bytes"] = loader["rows"][0]["ram_bytes"] = int(0.1e9)
+    # host RAM sized so that a rank's training memory fits batch 36 but not 37
+    prof = memory.model_profile("resnet18", 10, 32, "32", False, "demo")
+
+    def rank_bytes(b):
+        parts = memory.breakdown(b, prof, resolution=32, state_floats=1, world=2,
+                                 memory=config["memory"], gpu=False)
+        return memory.host_bytes(b, 0, 0, resolution=32, host=memory.host_model(loader),
+                                 extra=sum(parts.values()))
+
+    ram_gb = (rank_bytes(36) + rank_bytes(37)) / 2 * 2 / 0.8 / 1e9
+    hw = {"name": "tinycpu", "accelerator": "cpu", "gpus_per_node": 0, "gpu_model": "none",
+          "gpu_memory_gb": 0, "devices_per_node": 2, "nodes": 1, "cpus_per_node": 2,
+          "ram_gb": ram_gb, "cpu_processes": 2}
+    r = memory.solve(config["memory"], model, hw, loader)
+    assert r["largest_fitting_batch"] == 36
+    assert r["limited_by"] == "host_ram" and r["per_gpu_batch"] == 32
+    assert r["accumulate_grad_batches"] == 2 and r["global_batch"] == 128  # 32 x 2 ranks x 2
+    assert r["predicted_host_bytes_per_process"] <= ram_gb * 1e9 * 0.8 / 2
+
+
+def simulated_gpu(capacity: float, fixed: float = 1e9, per_sample: float = 50e6,
+                  jump_above: int | None = None, jump: float = 0.0):
+    """A probe step with a simulated capacity: raises torch.OutOfMemoryError above it."""
+    calls = []
+
+    def step(batch):
+        calls.append(batch)
+        need = fixed + per_sample * batch + (jump if jump_above and batch > jump_above else 0)
+        if need > capacity:
+            raise torch.OutOfMemoryError(f"simulated: {need:.0f} > {capacity:.0f}")
+        return {"allocated": 0.95 * need, "reserved": need}
+
+    step.calls = calls
+    return step
+
+
+def test_out_of_memory_during_probing_backs_off():
+    step = simulated_gpu(capacity=10e9)
+    result = memory.measure(step, 0.85 * 10e9, [64, 128, 256], round_to=8, max_batch=1024,
+                            max_backoffs=8, what="test")
+    assert 256 in result["too_big"] and any("out of memory" in e for e in result["events"])
+    assert len(result["probes"]) >= 3
+    assert result["fixed_bytes"] == pytest.approx(1e9) and \
+        result["per_sample_bytes"] == pytest.approx(50e6)
+    assert result["per_gpu_batch"] == 144  # (8.5e9 - 1e9) / 50e6 = 150 -> multiple of 8
+    assert result["verified"]["reserved"] <= 0.85 * 10e9
+    assert step.calls[-1] == 144
+
+
+def test_failed_verification_backs_off_to_a_batch_that_runs():
+    # linear up to 136, then a step the probes never saw (e.g. another cuDNN algorithm)
+    step = simulated_gpu(capacity=10e9, jump_above=136, jump=3e9)
+    result = memory.measure(step, 0.85 * 10e9, [32, 64, 96], round_to=8, max_batch=1024,
+                            max_backoffs=8, what="test")
+    assert "verification at batch 144: out of memory" in result["events"]
+    assert result["per_gpu_batch"] == 136
+
+
+def test_nothing_fits_when_probing_fails_is_one_sentence():
+    step = simulated_gpu(capacity=0.5e9)
+    with pytest.raises(UserError) as err:
+        memory.measure(step, 0.85 * 0.5e9, [8, 16, 32], round_to=8, max_batch=1024,
+                       max_backoffs=8, what="resnet50 at 224 px on cluster tiny")
+    assert str(err.value).startswith("Not even a batch of 1 fits") and 1 in step.calls
+
+
+def test_nothing_fits_estimate_names_cluster_model_and_memory():
+    config = settings.load()
+    hw = dict(settings.cluster(config, "g5"), name="tiny", gpu_memory_gb=0.5)
+    with pytest.raises(UserError) as err:
+        memory.solve(config["memory"], RESNET50_AMP, hw, loader_report("tiny"))
+    msg = str(err.value)
+    assert msg.startswith("Not even a batch of 1 fits on cluster tiny: resnet50 at 224 px")
+    assert "GB per GPU" in msg and msg.count(". ") == 0 and msg.endswith(".")
+
+
+def test_cli_failure_when_nothing_fits_is_one_sentence_without_traceback(through_memory, tmp_path):
+    loader = json.loads((through_memory / "results/loader/local.json").read_text())
+    loader["cluster"] = "tiny"
+    (tmp_path / "loader.json").write_text(json.dumps(loader))
+    (tmp_path / "tiny.yaml").write_text(
+        "clusters:\n  tiny: {gpus_per_node: 1, gpu_model: T, gpu_memory_gb: 0.1, nodes: 1, "
+        "cpus_per_node: 2, ram_gb: 8}\n")
+    res = subprocess.run(
+        [str(BIN / "imgclf"), "solve-memory", "--cluster", "tiny", "--configfile",
+         str(tmp_path / "tiny.yaml"), "--loader", str(tmp_path / "loader.json"),
+         "--out", str(tmp_path / "mem")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    assert "Not even a batch of 1 fits on cluster tiny: resnet18 at 32 px" in res.stderr
+    assert not (tmp_path / "mem.json").exists()
+
+
+def test_gpu_is_requested_only_when_measuring():
+    config = settings.load()
+    mem = config["memory"]
+    assert memory.plans_measurement(mem, settings.cluster(config, "local")) is False or \
+        settings.cluster(config, "local")["accelerator"] == "gpu"
+    assert memory.plans_measurement(mem | {"mode": "estimate"}, settings.cluster(config, "g5")) \
+        is False
+    if not memory.hardware.detect_gpus():  # no GPU here: nothing to measure on
+        assert memory.plans_measurement(mem, settings.cluster(config, "g5")) is False
+
+
+def test_measured_mode_runs_the_probe_search_on_the_device_given():
+    """The measured path of the solve, on a simulated 24 GB device (the CUDA probe step itself
+    needs a GPU)."""
+    config = settings.load()
+    hw = settings.cluster(config, "g5")
+    sim = simulated_gpu(capacity=23.5e9)
+    device = {"name": "simulated A10G", "free": 23.5e9, "total": 24e9,
+              "step_factory": lambda *args: sim}
+    r = memory.solve(config["memory"], RESNET50_AMP, hw, loader_report("g5"), gpu_here=device)
+    ddp = r["measurement"]["ddp_bucket_bytes"]
+    assert ddp == r["model"]["params"] * 4  # 4 GPUs: DDP buckets the size of the gradients
+    budget = 0.85 * 24e9 - 0.5e9 - ddp
+    assert r["method"] == "measured" and r["measurement"]["device"] == "simulated A10G"
+    assert r["per_gpu_batch"] == memory.round_down(int((budget - 1e9) // 50e6), 8)
+    assert len(r["measurement"]["probes"]) >= 3 and sim.calls[-1] == r["per_gpu_batch"]
+    assert r["predicted_gpu_bytes"] == pytest.approx(
+        1e9 + 50e6 * r["per_gpu_batch"] + 0.5e9 + ddp, rel=1e-6)
+    assert r["accumulate_grad_batches"] == math.ceil(1024 / (4 * r["per_gpu_batch"]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPU")
+def test_measure_mode_without_a_gpu_is_one_sentence():
+    config = settings.load()
+    with pytest.raises(UserError, match=r"^`memory.mode: measure` needs a GPU .*\.$"):
+        memory.solve(config["memory"] | {"mode": "measure"}, RESNET50_AMP,
+                     settings.cluster(config, "g5"), loader_report("g5"))

@@ -1,0 +1,32 @@
+rule benchmark_loader:
+    """Images/s of the training input pipeline per num_workers x prefetch x decode path; the
+    cheapest configuration near the best that fits the RAM budget."""
+    input:
+        hydration="results/hydration/{cluster}.json",
+        data=data_input,
+        code=code("loader_bench", "data", "recipes"),
+    output:
+        json=report(
+            "results/loader/{cluster}.json",
+            caption="../report/loader.rst",
+            category="2. Loader",
+        ),
+        csv=report(
+            "results/loader/{cluster}.csv",
+            caption="../report/loader.rst",
+            category="2. Loader",
+        ),
+        png=report(
+            "results/loader/{cluster}.png",
+            caption="../report/loader.rst",
+            category="2. Loader",
+        ),
+    log:
+        "logs/loader/{cluster}.log",
+    benchmark:
+        "benchmarks/loader/{cluster}.tsv"
+    threads: workflow.cores  # timing needs the machine to itself
+    params:
+        p=lambda wc: settings.loader_params(config, wc.cluster),
+    script:
+        "../scripts/benchmark_loader.py"

@@ -1,0 +1,34 @@
+from imgclf import memory as memory_solve
+
+
+rule solve_memory:
+    """Largest per-device batch under the safety margin, accumulation to the recipe's global
+    batch, loader workers/prefetch within the host RAM budget."""
+    input:
+        loader="results/loader/{cluster}.json",
+        code=code("memory", "recipes", "data"),
+    output:
+        json=report(
+            "results/memory/{cluster}.json",
+            caption="../report/memory.rst",
+            category="3. Memory",
+        ),
+        png=report(
+            "results/memory/{cluster}.png",
+            caption="../report/memory.rst",
+            category="3. Memory",
+        ),
+    log:
+        "logs/memory/{cluster}.log",
+    benchmark:
+        "benchmarks/memory/{cluster}.tsv"
+    resources:
+        gpu=lambda wc: int(
+            memory_solve.plans_measurement(
+                config["memory"], settings.cluster(config, wc.cluster)
+            )
+        ),
+    params:
+        p=lambda wc: settings.memory_params(config, wc.cluster),
+    script:
+        "../scripts/solve_memory.py"
