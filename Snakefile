@@ -30,9 +30,18 @@ include: "workflow/rules/hydration.smk"
 include: "workflow/rules/loader.smk"
 include: "workflow/rules/memory.smk"
 include: "workflow/rules/lr.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:
+    """Every stage through evaluation, for the hardware entry `cluster`."""
     default_target: True
     input:
         all_targets(config["cluster"]),
+
+
+rule train:
+    """Every stage up to the trained model, for the hardware entry `cluster`
+    (`snakemake --profile profiles/g5 train`)."""
+    input:
+        train_targets(config["cluster"]),

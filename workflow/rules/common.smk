@@ -1,4 +1,10 @@
 # Helpers for paths and config slices; the logic lives in the imgclf package.
+import json
+import sys
+from pathlib import Path
+
+# the CLI of the environment Snakemake runs in (it need not be on PATH)
+IMGCLF = str(Path(sys.executable).parent / "imgclf")
 
 
 
@@ -33,7 +39,19 @@ def all_targets(cluster):
         f"results/loader/{cluster}.json",
         f"results/memory/{cluster}.json",
         f"results/lr/{cluster}_summary.json",
+        f"results/eval/{cluster}.json",
     ]
+
+
+def train_targets(cluster):
+    return [f"results/train/{cluster}/best.ckpt"]
+
+
+def lr_summary_input(wildcards):
+    """The LR summary, unless training takes the recipe's own LR."""
+    if config["train"]["lr_source"] == "recipe":
+        return []
+    return f"results/lr/{wildcards.cluster}_summary.json"
 
 
 def lr_runs(cluster):

@@ -1,0 +1,256 @@
+"""Evaluation of a trained checkpoint on the validation split (`imgclf evaluate`).
+
+One process reads every validation image exactly once (no DistributedSampler padding, unlike
+the val/* metrics logged during DDP training), so these are the figures to quote. Plain torch:
+no Lightning import, the checkpoint is read as the dict Lightning saved."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+
+import torch
+import torch.nn.functional as F
+
+from imgclf import data, provenance, recipes
+from imgclf.errors import UserError
+
+log = logging.getLogger("imgclf.evaluate")
+
+# `evaluate:` config keys and their defaults.
+DEFAULTS = {
+    "batch_size": None,             # None: the per-GPU batch of the memory solve
+    "max_confusion_classes": 100,   # above this, plot the most confused pairs, not the matrix
+    "top_confused": 20,             # how many confused (true, predicted) pairs to list and plot
+}
+MEMORY_KEYS = ("per_gpu_batch", "num_workers", "prefetch_factor", "decoder")
+
+
+def evaluate_settings(params: dict) -> dict:
+    given = params.get("evaluate") or {}
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        raise UserError(f"Unknown key(s) {', '.join(unknown)} under `evaluate:` "
+                        f"(allowed: {', '.join(DEFAULTS)}).")
+    return {**DEFAULTS, **given}
+
+
+class Accumulator:
+    """Top-1, top-5, mean cross-entropy and the confusion matrix over batches (torchmetrics)."""
+
+    def __init__(self, num_classes: int, device="cpu"):
+        from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+
+        self.num_classes = num_classes
+        self.k5 = min(5, num_classes)
+        self.acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro").to(device)
+        self.acc5 = MulticlassAccuracy(num_classes, top_k=self.k5, average="micro").to(device)
+        self.confusion = MulticlassConfusionMatrix(num_classes).to(device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = 0
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        logits = logits.float()
+        self.acc1.update(logits, target)
+        self.acc5.update(logits, target)
+        self.confusion.update(logits.argmax(1), target)
+        self.loss_sum += F.cross_entropy(logits, target, reduction="sum").double()
+        self.count += target.numel()
+
+    def result(self, classes: list[str], top_confused: int) -> dict:
+        cm = self.confusion.compute().cpu().long()
+        rows = cm.sum(1)
+        per_class = {c: {"accuracy": (float(cm[i, i] / rows[i]) if rows[i] else None),
+                         "correct": int(cm[i, i]), "images": int(rows[i])}
+                     for i, c in enumerate(classes)}
+        return {
+            "top1": float(self.acc1.compute()),
+            "top5": float(self.acc5.compute()),
+            "top5_k": self.k5,
+            "loss": float(self.loss_sum / max(self.count, 1)),
+            "num_images": self.count,
+            "per_class_accuracy": per_class,
+            "most_confused": most_confused(cm, classes, top_confused),
+            "_confusion": cm,
+        }
+
+
+def most_confused(cm: torch.Tensor, classes: list[str], n: int) -> list[dict]:
+    """The n largest off-diagonal cells: which true class is taken for which, how often."""
+    off = cm.clone()
+    off.fill_diagonal_(0)
+    flat = off.flatten()
+    k = min(n, int((flat > 0).sum()))
+    if k == 0:
+        return []
+    counts, idx = flat.topk(k)
+    rows = cm.sum(1)
+    out = []
+    for count, i in zip(counts.tolist(), idx.tolist()):
+        t, p = divmod(i, cm.shape[1])
+        out.append({"true": classes[t], "predicted": classes[p], "count": count,
+                    "fraction_of_true": round(count / int(rows[t]), 5)})
+    return out
+
+
+def plot_confusion(cm: torch.Tensor, classes: list[str], path) -> None:
+    """Row-normalised confusion matrix (rows: true class), counts written in small matrices."""
+    from matplotlib.figure import Figure
+
+    n = len(classes)
+    size = min(4 + 0.35 * n, 24)
+    fig = Figure(figsize=(size + 1.5, size), layout="constrained")
+    ax = fig.subplots()
+    norm = cm.double() / cm.sum(1, keepdim=True).clamp(min=1)
+    im = ax.imshow(norm.numpy(), cmap="Blues", vmin=0, vmax=1)
+    fig.colorbar(im, ax=ax, label="fraction of the true class")
+    if n <= 40:
+        ax.set_xticks(range(n), classes, rotation=90)
+        ax.set_yticks(range(n), classes)
+    if n <= 20:
+        for t in range(n):
+            for p in range(n):
+                if cm[t, p]:
+                    ax.text(p, t, int(cm[t, p]), ha="center", va="center", fontsize=8,
+                            color="white" if norm[t, p] > 0.5 else "black")
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(f"confusion matrix ({int(cm.sum())} images, top-1 "
+                 f"{100 * float(cm.diag().sum() / cm.sum().clamp(min=1)):.2f} %)")
+    with provenance.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+
+
+def plot_pairs(pairs: list[dict], num_classes: int, path) -> None:
+    """Too many classes for a matrix: the most confused (true -> predicted) pairs as bars."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 1.5 + 0.3 * max(len(pairs), 1)), layout="constrained")
+    ax = fig.subplots()
+    labels = [f"{p['true']} -> {p['predicted']}" for p in pairs][::-1]
+    ax.barh(range(len(pairs)), [p["count"] for p in pairs][::-1])
+    ax.set_yticks(range(len(pairs)), labels)
+    ax.set_xlabel("validation images")
+    ax.set_title(f"most confused pairs ({num_classes} classes: too many for a matrix)")
+    with provenance.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+
+
+def read_memory(path) -> dict:
+    try:
+        m = provenance.read_json(path)
+    except FileNotFoundError:
+        raise UserError(f"Memory solve {path} does not exist: run the solve_memory rule "
+                        f"(`snakemake {path}`) first.") from None
+    missing = [k for k in MEMORY_KEYS if k not in m]
+    if missing:
+        raise UserError(f"Memory solve {path} lacks {', '.join(missing)}: regenerate it.")
+    return m
+
+
+def load_checkpoint(path) -> dict:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"Checkpoint {path} does not exist: run `imgclf train` (or the train "
+                        f"rule) first, or pass --checkpoint.") from None
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise UserError(f"Checkpoint {path} is unreadable ({type(e).__name__}): retrain or pass "
+                        f"another --checkpoint.") from None
+    if "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
+        raise UserError(f"Checkpoint {path} is not a checkpoint written by `imgclf train`.")
+    return ckpt
+
+
+def autocast(device: torch.device, precision: str):
+    import contextlib
+
+    if precision.startswith("bf16"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision.startswith("16") and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
+    """Evaluate `checkpoint` on the val split; write the report JSON and the confusion PNG."""
+    t0 = time.perf_counter()
+    ev = evaluate_settings(params)
+    model_cfg, cluster = params["model"], params["cluster"]
+    memory = read_memory(memory_path)
+    ckpt = load_checkpoint(checkpoint)
+    hp = ckpt["hyper_parameters"]
+    classes = list(hp["classes"])
+    if hp["arch"] != model_cfg["arch"]:
+        raise UserError(f"Checkpoint {checkpoint} holds a {hp['arch']} but `model.arch` is "
+                        f"{model_cfg['arch']}: retrain or evaluate the matching checkpoint.")
+
+    dataset = data.val_dataset(params["data_root"], memory["decoder"], int(model_cfg["resolution"]))
+    if dataset.classes != classes:
+        raise UserError(f"{params['data_root']}/val has classes {dataset.classes[:5]}... but the "
+                        f"checkpoint was trained on {classes[:5]}...: evaluate on the same data.")
+
+    if cluster.get("accelerator") == "gpu" and torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        if cluster.get("accelerator") == "gpu":
+            log.warning("cluster %s has GPUs but this machine has none: evaluating on the CPU",
+                        cluster["name"])
+        device = torch.device("cpu")
+    precision = str(model_cfg.get("precision", "32"))
+    channels_last = bool(model_cfg.get("channels_last"))
+
+    model = recipes.build_model(hp["arch"], len(classes))
+    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    model.load_state_dict(state)
+    model.to(device).eval()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+
+    batch = int(ev["batch_size"] or memory["per_gpu_batch"])
+    loader = data.loader(dataset, batch, int(memory["num_workers"]), memory.get("prefetch_factor"),
+                         shuffle=False, pin_memory=device.type == "cuda")
+    acc = Accumulator(len(classes), device)
+    t_loop = time.perf_counter()
+    with torch.inference_mode():
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with autocast(device, precision):
+                logits = model(x)
+            acc.update(logits, y)
+    loop_s = time.perf_counter() - t_loop
+    res = acc.result(classes, int(ev["top_confused"]))
+    cm = res.pop("_confusion")
+
+    small = len(classes) <= int(ev["max_confusion_classes"])
+    if small:
+        plot_confusion(cm, classes, confusion_png)
+    else:
+        plot_pairs(res["most_confused"], len(classes), confusion_png)
+    report = {
+        "cluster": cluster["name"],
+        **res,
+        "loss_kind": "mean cross-entropy (no label smoothing)",
+        "num_classes": len(classes),
+        "classes": classes,
+        "confusion_matrix": cm.tolist() if small else None,
+        "confusion_png": str(confusion_png),
+        "confusion_plot": "matrix" if small else "most confused pairs",
+        "checkpoint": {"path": str(checkpoint), "epoch": ckpt.get("epoch"),
+                       "global_step": ckpt.get("global_step"),
+                       "train_digest": ckpt.get("imgclf", {}).get("train_digest")},
+        "device": str(device),
+        "precision": precision,
+        "decoder": memory["decoder"],
+        "batch_size": batch,
+        "images_per_s": round(res["num_images"] / loop_s, 1) if loop_s else None,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    written = provenance.write_artifact(out, report, config_slice={**params, "evaluate": ev},
+                                        inputs=[memory_path, checkpoint])
+    log.info("top-1 %.4f, top-%d %.4f, loss %.4f on %d images", report["top1"], report["top5_k"],
+             report["top5"], report["loss"], report["num_images"])
+    return written
