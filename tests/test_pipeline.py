@@ -1,0 +1,66 @@
+"""The training stage through Snakemake: a killed training job resumes on the next run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pandas as pd
+import psutil
+
+from conftest import SNAKEMAKE, snakemake
+
+RESUME = """
+loader: {workers: [0], prefetch_factors: [2], decoders: [tensor], seconds_per_config: 0.3,
+         windows: 2, measure_seed_default: false}
+train: {epochs: 5, lr_source: recipe}
+"""
+
+
+def training_processes(root: psutil.Process) -> list[psutil.Process]:
+    """The `imgclf train` process under Snakemake and its DDP children."""
+    found = []
+    for proc in root.children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if any(part.endswith("imgclf") for part in cmd) and "train" in cmd:
+            found.append(proc)
+    return found
+
+
+def test_killed_training_resumes_from_last_checkpoint(workflow_copy):
+    (workflow_copy / "resume.yaml").write_text(RESUME)
+    target = ["results/train/local/best.ckpt", "--configfile", "resume.yaml"]
+    last = workflow_copy / "results/train/local/checkpoints/last.ckpt"
+    first = subprocess.Popen([SNAKEMAKE, "--cores", "2", *target], cwd=workflow_copy,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not last.exists():
+        assert first.poll() is None, "Snakemake ended before training wrote a checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.2)
+    victims = training_processes(psutil.Process(first.pid))
+    assert victims, "training processes not found"
+    for proc in victims:
+        proc.send_signal(signal.SIGKILL)
+    output = first.communicate(timeout=120)[0]
+    assert first.returncode != 0, output
+    assert "Error in rule train_model" in output
+    assert last.exists()  # the checkpoint folder survives the failed job
+    assert not (workflow_copy / "results/train/local/train_summary.json").exists()
+
+    again = snakemake(workflow_copy, *target)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    summary = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
+    assert summary["attempts"] == 2
+    assert summary["resumed_from"] is not None
+    assert summary["epochs_run"] == 5 and summary["completed"]
+    log = (workflow_copy / "logs/train/local.log").read_text()
+    assert "resum" in log.lower()
+    metrics = pd.read_csv(workflow_copy / "results/train/local/metrics.csv")
+    epochs = metrics.dropna(subset=["val/acc1"])["epoch"].tolist()
+    assert epochs == [0, 1, 2, 3, 4]  # every epoch validated exactly once
