@@ -162,3 +162,26 @@ def test_lr_stage_runs_for_real_and_is_reproducible(workflow_copy):
     rerun = json.loads((workflow_copy / "results/lr/local/run0.json").read_text())
     assert rerun["provenance"]["created"] >= runs[0]["provenance"]["created"]
     assert rerun["history"] == runs[0]["history"]
+
+
+def test_cli_lr_find_batch_override_and_summary(through_memory, tmp_path):
+    """`imgclf lr-find --batch-size` (the manual escape hatch after an OOM) and `lr-summary`."""
+    import subprocess
+
+    from conftest import BIN
+
+    cfg = tmp_path / "short.yaml"
+    cfg.write_text("lr_finder: {num_iter: 20, skip_start: 2, skip_end: 2}\n")
+    out = tmp_path / "lr" / "local"
+    common = ["--cluster", "local", "--configfile", str(cfg), "--out-dir", str(out)]
+    res = subprocess.run([str(BIN / "imgclf"), "lr-find", "--runs", "2", "--batch-size", "16",
+                          *common], cwd=through_memory, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    runs = [json.loads((out / f"run{i}.json").read_text()) for i in range(2)]
+    assert [r["batch_size"] for r in runs] == [16, 16] and [r["seed"] for r in runs] == [0, 1]
+    res = subprocess.run([str(BIN / "imgclf"), "lr-summary", *common], cwd=through_memory,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((tmp_path / "lr" / "local_summary.json").read_text())
+    assert summary["lr_finder_batch"] == 16 and "chosen LR" in res.stdout
+    assert (tmp_path / "lr" / "local.png").exists()
