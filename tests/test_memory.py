@@ -257,3 +257,15 @@ def test_measure_mode_without_a_gpu_is_one_sentence():
     with pytest.raises(UserError, match=r"^`memory.mode: measure` needs a GPU .*\.$"):
         memory.solve(config["memory"] | {"mode": "measure"}, RESNET50_AMP,
                      settings.cluster(config, "g5"), loader_report("g5"))
+
+
+def test_gpu_request_under_slurm_does_not_depend_on_the_login_node():
+    """Submitting to Slurm, the solve asks for a GPU whenever it may measure there."""
+    from imgclf.memory import gpus_to_request
+
+    gpu_entry = {"accelerator": "gpu", "gpu_model": "A10G", "gpu_memory_gb": 24}
+    cpu_entry = {"accelerator": "cpu"}
+    assert gpus_to_request({"mode": "auto"}, gpu_entry, on_slurm=True) == 1
+    assert gpus_to_request({"mode": "estimate"}, gpu_entry, on_slurm=True) == 0
+    assert gpus_to_request({"mode": "auto"}, cpu_entry, on_slurm=True) == 0
+    assert gpus_to_request({"mode": "auto"}, gpu_entry, on_slurm=False) == 0  # no A10G here

@@ -50,6 +50,15 @@ def plans_measurement(memory: dict, hw: dict) -> bool:
     return matching_gpu(hw) is not None
 
 
+def gpus_to_request(memory: dict, hw: dict, on_slurm: bool) -> int:
+    """GPUs the solve_memory job asks for. Submitting to Slurm, the GPU the solve may measure on
+    is on the compute node, invisible from where Snakemake decides: ask for one whenever the
+    entry has GPUs and measuring is allowed; the job itself then measures or estimates."""
+    if on_slurm:
+        return int(memory["mode"] != "estimate" and hw["accelerator"] == "gpu")
+    return int(plans_measurement(memory, hw))
+
+
 # --- exact counts ------------------------------------------------------------------------------
 
 def autocast_context(precision: str, device_type: str):

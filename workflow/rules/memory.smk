@@ -1,4 +1,5 @@
 from imgclf import memory as memory_solve
+from imgclf import slurm
 
 
 rule solve_memory:
@@ -23,10 +24,8 @@ rule solve_memory:
     benchmark:
         "benchmarks/memory/{cluster}.tsv"
     resources:
-        gpu=lambda wc: int(
-            memory_solve.plans_measurement(
-                config["memory"], settings.cluster(config, wc.cluster)
-            )
+        gpu=lambda wc: memory_solve.gpus_to_request(
+            config["memory"], hw(wc), slurm.workflow_on_slurm(workflow)
         ),
     params:
         p=lambda wc: settings.memory_params(config, wc.cluster),

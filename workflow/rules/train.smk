@@ -1,6 +1,10 @@
+from imgclf import slurm
+
+
 rule train_model:
     """Lightning DDP training from a real CLI entry point: Lightning's DDP launcher re-executes
-    the command line, which a `script:` temp file would not survive. Checkpoints live in
+    the command line, which a `script:` temp file would not survive; under Slurm, `srun` (in
+    resources.mpi) starts one task per device instead. Checkpoints live in
     results/train/{cluster}/checkpoints/, deliberately not an output, so a failed or killed
     job keeps them and the next run resumes from last.ckpt."""
     input:
@@ -17,19 +21,32 @@ rule train_model:
             caption="../report/train.rst",
             category="5. Training",
         ),
-    params:
-        p=lambda wc: json.dumps(settings.train_params(config, wc.cluster)),
-        lr=lambda wc, input: f"--lr-summary {input.lr}" if input.lr else "",
-        imgclf=IMGCLF,
-    resources:
-        gpu=lambda wc: settings.cluster(config, wc.cluster)["gpus_per_node"],
-    threads: workflow.cores
     log:
         "logs/train/{cluster}.log",
     benchmark:
         "benchmarks/train/{cluster}.tsv"
+    threads: workflow.cores
+    resources:
+        gpu=lambda wc: slurm.train_resource(workflow, hw(wc), "gpu"),
+        mpi=lambda wc: slurm.train_resource(workflow, hw(wc), "mpi"),
+        nodes=lambda wc: slurm.train_resource(workflow, hw(wc), "nodes"),
+        tasks=lambda wc: slurm.train_resource(workflow, hw(wc), "tasks"),
+        tasks_per_node=lambda wc: slurm.train_resource(
+            workflow, hw(wc), "tasks_per_node"
+        ),
+        tasks_per_gpu=lambda wc: slurm.train_resource(workflow, hw(wc), "tasks_per_gpu"),
+        gres=lambda wc: slurm.train_resource(workflow, hw(wc), "gres"),
+        cpus_per_task=lambda wc: slurm.train_resource(workflow, hw(wc), "cpus_per_task"),
+        mem_mb_per_cpu=lambda wc: slurm.train_resource(
+            workflow, hw(wc), "mem_mb_per_cpu"
+        ),
+    params:
+        p=lambda wc: json.dumps(settings.train_params(config, wc.cluster)),
+        lr=lambda wc, input: f"--lr-summary {input.lr}" if input.lr else "",
+        imgclf=IMGCLF,
     shell:
-        "{params.imgclf} train --params-json {params.p:q} --memory {input.memory} {params.lr}"
+        "{resources.mpi} {params.imgclf} train --params-json {params.p:q}"
+        " --memory {input.memory} {params.lr}"
         " --out-dir results/train/{wildcards.cluster} --log {log}"
 
 
@@ -47,12 +64,12 @@ rule evaluate:
             caption="../report/evaluate.rst",
             category="6. Evaluation",
         ),
+    log:
+        "logs/eval/{cluster}.log",
+    threads: workflow.cores
     params:
         p=lambda wc: json.dumps(settings.evaluate_params(config, wc.cluster)),
         imgclf=IMGCLF,
-    threads: workflow.cores
-    log:
-        "logs/eval/{cluster}.log",
     shell:
         "{params.imgclf} evaluate --params-json {params.p:q} --memory {input.memory}"
         " --checkpoint {input.ckpt} --out {output.json} --confusion {output.confusion} --log {log}"
