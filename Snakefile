@@ -24,6 +24,10 @@ except UserError as e:
     sys.exit(str(e))
 
 
+# `snakemake --lint` asks every rule for a conda environment or a container. Deliberately none:
+# the software is the imgclf package that run.sh installs into .venv, pinned by pyproject.toml,
+# and every rule runs in that environment. tests/test_reproducibility.py accepts that remark and
+# no other.
 include: "workflow/rules/common.smk"
 include: "workflow/rules/demo.smk"
 include: "workflow/rules/hydration.smk"
@@ -31,10 +35,12 @@ include: "workflow/rules/loader.smk"
 include: "workflow/rules/memory.smk"
 include: "workflow/rules/lr.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
-    """Every stage through evaluation, for the hardware entry `cluster`."""
+    """Every stage through evaluation and the report's key tables, for the hardware entry
+    `cluster` (`snakemake --report results/report.html` then builds the report)."""
     default_target: True
     input:
         all_targets(config["cluster"]),

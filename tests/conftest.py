@@ -14,7 +14,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SNAKEMAKE = str(BIN / "snakemake")
-WORKFLOW_PARTS = ("Snakefile", "config", "workflow", "profiles")
+# src/: the rules' code inputs resolve in the workflow's own src/imgclf, so a test can edit
+# the copy's modules (Python still imports the installed package).
+WORKFLOW_PARTS = ("Snakefile", "config", "workflow", "profiles", "src")
+IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info")
 
 
 def copy_workflow(dest: Path) -> Path:
@@ -22,7 +25,7 @@ def copy_workflow(dest: Path) -> Path:
     for part in WORKFLOW_PARTS:
         src = REPO / part
         if src.is_dir():
-            shutil.copytree(src, dest / part)
+            shutil.copytree(src, dest / part, ignore=IGNORE)
         else:
             shutil.copy2(src, dest / part)
     return dest

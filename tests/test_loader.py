@@ -65,7 +65,7 @@ def test_rule_on_demo_data_writes_a_choice_that_fits_the_ram_budget(through_memo
     assert (through_memory / "benchmarks/loader/local.tsv").exists()
     assert "choice:" in (through_memory / "logs/loader/local.log").read_text()
     prov = report["provenance"]
-    assert prov["config_digest"] and "results/hydration/local.json" in prov["inputs"]
+    assert prov["config_digest"] and "results/hydration/local.verdict.json" in prov["inputs"]
 
 
 def test_default_worker_grid_follows_the_cpus_per_device():

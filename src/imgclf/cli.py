@@ -42,7 +42,10 @@ def cmd_check_hydration(args):
     p = settings.hydration_params(config, name)
     if args.restore:
         p["params"]["restore"] = True
-    report = hydration.run_stage(**p, out=args.out or f"results/hydration/{name}.json")
+    out = args.out or f"results/hydration/{name}.json"
+    stem = out[:-len(".json")] if out.endswith(".json") else out
+    report = hydration.run_stage(**p, out=out, out_verdict=f"{stem}.verdict.json",
+                                 out_png=f"{stem}.png")
     print(f"verdict: {report['verdict']}")
 
 
@@ -198,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check-hydration", help="census, Lustre HSM state, read throughput, verdict")
     _common(p)
-    p.add_argument("--out", default=None, help="report path (default results/hydration/CLUSTER.json)")
+    p.add_argument("--out", default=None,
+                   help="report path (default results/hydration/CLUSTER.json); the verdict "
+                        "hand-off (.verdict.json) and the plot (.png) go beside it")
     p.add_argument("--restore", action="store_true", help="restore released files, then check again")
     p.set_defaults(fn=cmd_check_hydration)
 

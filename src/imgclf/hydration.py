@@ -6,6 +6,7 @@ before a week of training does."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -19,6 +20,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from imgclf.errors import UserError
+from imgclf.provenance import atomic_path, digest_obj, write_artifact, write_handoff
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
@@ -267,14 +269,95 @@ def failure_sentence(report: dict, params: dict, cluster: str) -> str:
             f"or relax the check (`clusters.{cluster}.min_read_mb_s`, `dataset.expected_*`).")
 
 
-def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out) -> dict:
-    """Check, write the report (pass) or raise the one-sentence failure (fail)."""
-    from imgclf.provenance import write_artifact
+def verdict_handoff(report: dict, root, cluster: str) -> dict:
+    """What the stages after the check depend on: the verdict and a digest of the census (files
+    and bytes per split and class). Throughput and timings stay in the full report: they differ
+    on every run and must not make the loader benchmark, the LR runs and training run again.
+    A file whose content changes but not its size is not a census change (hashing the data set
+    is exactly the full read this check avoids)."""
+    splits = report["census"]["splits"]
+    return {
+        "cluster": cluster,
+        "root": str(root),
+        "verdict": report["verdict"],
+        "census_digest": digest_obj(report["census"]),
+        "files": {s: splits[s]["files"] for s in SPLITS},
+        "classes": {s: splits[s]["classes"] for s in SPLITS},
+    }
 
+
+def handoff_key(path) -> dict | None:
+    """What of a verdict hand-off the stages after the check depend on; None before the first
+    check (the Snakefile passes it as a param: params are compared on every run)."""
+    try:
+        with open(path) as f:
+            handoff = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+    return {k: handoff.get(k) for k in ("verdict", "census_digest")}
+
+
+def plot(report: dict, path) -> None:
+    """Files and bytes per split, HSM state (Lustre only), read throughput against its floor."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 4), layout="constrained")
+    ax_files, ax_hsm, ax_read = fig.subplots(1, 3)
+    splits = report["census"]["splits"]
+    names = list(splits)
+    bars = ax_files.bar(names, [splits[s]["files"] for s in names], color="tab:blue")
+    for bar, s in zip(bars, names):
+        ax_files.annotate(f"{splits[s]['files']:,} files\n{splits[s]['bytes'] / 1e6:,.1f} MB\n"
+                          f"{splits[s]['classes']} classes",
+                          (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                          ha="center", va="top", fontsize=8, color="white")
+    ax_files.set_ylabel("files")
+    ax_files.set_title(f"census ({len(report['census']['zero_byte'])} zero-byte, "
+                       f"{len(report['decode']['corrupt'])} corrupt of "
+                       f"{report['decode']['decoded']} decoded)")
+
+    hsm = report.get("hsm")
+    if hsm:
+        states = ("released", "archived", "dirty", "no_state")
+        colors = ("tab:red", "tab:green", "tab:orange", "tab:gray")
+        ax_hsm.bar(states, [hsm[k] for k in states], color=colors)
+        ax_hsm.set_ylabel("files")
+        ax_hsm.set_title(f"Lustre HSM state: {100 * hsm['hydrated_fraction']:.2f} % hydrated")
+    else:
+        ax_hsm.text(0.5, 0.5, "not on Lustre:\nno HSM state to check", ha="center",
+                    va="center", fontsize=11, transform=ax_hsm.transAxes)
+        ax_hsm.set_axis_off()
+        ax_hsm.set_title("Lustre HSM state")
+
+    t = report["throughput"]
+    ok = t["mb_per_s"] >= t["floor_mb_per_s"]
+    ax_read.bar(["measured"], [t["mb_per_s"]], width=0.4, color="tab:green" if ok else "tab:red")
+    ax_read.set_xlim(-0.8, 0.8)
+    ax_read.axhline(t["floor_mb_per_s"], color="black", ls="--",
+                    label=f"floor {t['floor_mb_per_s']} MB/s")
+    ax_read.set_ylabel("MB/s")
+    ax_read.set_title(f"read throughput: {t['mb_per_s']} MB/s, {t['files_per_s']} files/s\n"
+                      f"({t['files']} files, {t['threads']} threads)", fontsize=10)
+    ax_read.legend(fontsize=8)
+    fig.suptitle(f"{report.get('cluster', '')} {report['root']}: verdict {report['verdict']}",
+                 fontsize=10)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+
+
+def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out, out_verdict=None,
+              out_png=None) -> dict:
+    """Check, then write the plot, the full report and the verdict hand-off (pass), or raise the
+    one-sentence failure (fail)."""
     report = check(root, params, min_read_mb_s)
     log.info("verdict: %s %s", report["verdict"], "; ".join(report["reasons"]))
     if report["verdict"] == "fail":
         raise UserError(failure_sentence(report, params, cluster))
     report["cluster"] = cluster
-    return write_artifact(out, report, config_slice={"params": params, "root": str(root),
-                                                      "min_read_mb_s": min_read_mb_s})
+    if out_png:
+        plot(report, out_png)
+    written = write_artifact(out, report, config_slice={"params": params, "root": str(root),
+                                                         "min_read_mb_s": min_read_mb_s})
+    if out_verdict:
+        write_handoff(out_verdict, verdict_handoff(report, root, cluster), full_report=out)
+    return written

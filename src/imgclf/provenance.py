@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import importlib.util
 import json
 import os
 import platform
+import runpy
 import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
 from importlib import metadata
@@ -47,14 +50,30 @@ def package_versions() -> dict:
 
 
 def cuda_version() -> str | None:
-    """CUDA version torch was built with, only if torch is already imported (no import cost)."""
-    import sys
+    """CUDA version torch was built with (None for a CPU-only build or without torch).
 
+    Read from torch/version.py when torch is not imported yet: stages that never import torch
+    (the hydration check) record it too, without paying seconds for the import."""
     torch = sys.modules.get("torch")
-    return getattr(getattr(torch, "version", None), "cuda", None) if torch else None
+    if torch is not None:
+        return getattr(getattr(torch, "version", None), "cuda", None)
+    try:
+        spec = importlib.util.find_spec("torch")  # locates the package, does not import it
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    version_py = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        return runpy.run_path(str(version_py)).get("cuda")
+    except (OSError, SyntaxError):
+        return None
 
 
 def git_revision(path: str | os.PathLike = ".") -> dict:
+    """HEAD of the checkout holding `path` and whether tracked files differ from it (a dirty
+    tree means the revision alone does not reproduce the artifact)."""
+
     def git(*args):
         return subprocess.run(
             ["git", "-C", str(path), *args], capture_output=True, text=True, timeout=20
@@ -71,6 +90,8 @@ def git_revision(path: str | os.PathLike = ".") -> dict:
 
 
 def provenance(config_slice=None, inputs=()) -> dict:
+    """What produced an artifact. The workflow revision is the checkout of this package: with
+    the editable install of run.sh that is the workflow's own repository."""
     here = hardware.machine()
     here["cuda"] = cuda_version()
     return {
@@ -112,6 +133,18 @@ def write_artifact(path, data: dict, config_slice=None, inputs=()) -> dict:
     return out
 
 
+def write_handoff(path, data: dict, full_report) -> dict:
+    """Write a hand-off file: only what downstream rules depend on, for them to take as input
+    instead of the full report. It has no creation time, timings or versions, so a rerun that
+    reaches the same result rewrites it byte for byte; Snakemake then sees the same checksum and
+    does not rerun its consumers. Its provenance is the full report's, which it names."""
+    out = dict(data)
+    out["provenance"] = {"schema_version": SCHEMA_VERSION, "handoff": True,
+                         "full_report": str(full_report)}
+    write_json(path, out)
+    return out
+
+
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -122,6 +155,9 @@ def describe(path, data: dict) -> str:
     p = data.get("provenance")
     if not p:
         return f"{path}: no provenance block"
+    if p.get("handoff"):
+        return (f"{path}\n  hand-off file (schema v{p['schema_version']}): stable content only; "
+                f"its provenance is that of {p['full_report']}")
     hw = p["hardware"]
     gpus = ", ".join(f"{g['name']} ({g['memory_gb']} GB)" for g in hw.get("gpus", [])) or "none"
     wf = p["workflow"]
@@ -130,9 +166,9 @@ def describe(path, data: dict) -> str:
         f"  created        {p['created']} (schema v{p['schema_version']})",
         f"  config digest  {p['config_digest']}",
         f"  workflow       {wf['revision'] or 'not a git checkout'}"
-        + (" (dirty tree)" if wf.get("dirty") else ""),
+        + {True: " (dirty tree)", False: " (clean tree)"}.get(wf.get("dirty"), ""),
         f"  hardware       {hw['cpu_model']} x{hw['cpus']}, {hw['ram_gb']} GB RAM, GPUs: {gpus}, "
-        f"CUDA {hw.get('cuda') or 'n/a'}",
+        f"CUDA {hw.get('cuda') or 'n/a'} (torch build)",
         "  versions       " + ", ".join(f"{k} {v}" for k, v in p["versions"].items()),
     ]
     for name, digest in p["inputs"].items():

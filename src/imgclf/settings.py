@@ -51,9 +51,22 @@ def checked(config: dict) -> dict:
     return config
 
 
-def module_path(module: str) -> str:
-    """Absolute path of a package module, so rules can depend on the code they run."""
-    return str(Path(__file__).resolve().parent / f"{module}.py")
+def module_path(module: str, workflow_dir: str | os.PathLike | None = None) -> str:
+    """Path of a package module, so rules can depend on the code they run.
+
+    Taken from `workflow_dir`/src/imgclf when the workflow carries the package source (the
+    repository: the editable install points at the same files), else from the installed
+    package. Relative to the working directory when inside it, so moving or copying a run
+    folder does not change the rules' inputs and rerun everything."""
+    path = Path(__file__).resolve().parent / f"{module}.py"
+    if workflow_dir is not None:
+        local = Path(workflow_dir).resolve() / "src" / "imgclf" / f"{module}.py"
+        if local.is_file():
+            path = local
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def data_root(config: dict, cluster_name: str) -> str:
@@ -74,6 +87,18 @@ def cluster(config: dict, name: str) -> dict:
     """Resolved hardware entry (cached: detection runs nvidia-smi once per process)."""
     items = tuple((k, tuple(sorted(v.items()))) for k, v in config["clusters"].items())
     return _cluster(name, items)
+
+
+# keys of a hardware entry that only the hydration check reads (data_root reaches the other
+# stages as their own `root`)
+HYDRATION_HW_KEYS = ("min_read_mb_s", "data_root")
+
+
+def stage_hardware(config: dict, name: str) -> dict:
+    """The resolved hardware entry without the hydration check's keys, for the stages after it:
+    relaxing a cluster's read-throughput floor must not replan the loader benchmark, the memory
+    solve or training, which never read it."""
+    return {k: v for k, v in cluster(config, name).items() if k not in HYDRATION_HW_KEYS}
 
 
 def expected_counts(config: dict) -> dict:
@@ -139,7 +164,7 @@ def loader_params(config: dict, cluster_name: str) -> dict:
         "root": data_root(config, cluster_name),
         "loader": config["loader"],
         "model": {"recipe": config["model"]["recipe"], "resolution": config["model"]["resolution"]},
-        "hw": cluster(config, cluster_name),
+        "hw": stage_hardware(config, cluster_name),
     }
 
 
@@ -149,7 +174,7 @@ def memory_params(config: dict, cluster_name: str) -> dict:
     return {
         "memory": config["memory"],
         "model": config["model"],
-        "hw": cluster(config, cluster_name),
+        "hw": stage_hardware(config, cluster_name),
     }
 
 
@@ -181,7 +206,7 @@ def train_params(config: dict, cluster_name: str) -> dict:
         "data_root": data_root(config, cluster_name),
         "model": config["model"],
         "train": config.get("train", {}),
-        "cluster": cluster(config, cluster_name),
+        "cluster": stage_hardware(config, cluster_name),
     }
 
 
@@ -191,5 +216,5 @@ def evaluate_params(config: dict, cluster_name: str) -> dict:
         "data_root": data_root(config, cluster_name),
         "model": config["model"],
         "evaluate": config.get("evaluate", {}),
-        "cluster": cluster(config, cluster_name),
+        "cluster": stage_hardware(config, cluster_name),
     }

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from imgclf import data, provenance, recipes
+from imgclf import data, provenance, recipes, slurm
 from imgclf.errors import UserError
 
 log = logging.getLogger("imgclf.train")
@@ -401,7 +401,8 @@ class RunRecorder(Callback):
     def on_fit_start(self, trainer, pl_module):
         # after the checkpoint's callback state is restored; also runs when nothing is left to train
         self.attempts += 1
-        me = {"rank": trainer.global_rank, "host": socket.gethostname(), "pid": os.getpid()}
+        me = {"rank": trainer.global_rank, "host": socket.gethostname(), "pid": os.getpid(),
+              "torch_threads": torch.get_num_threads(), "slurm": slurm.task_info()}
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, me)
@@ -413,9 +414,12 @@ class RunRecorder(Callback):
         # the epoch is restored by now: merge_metrics cuts the previous attempt here
         self.start_epoch = trainer.current_epoch
         if trainer.is_global_zero:
-            provenance.write_json(Path(self.csv_logger.log_dir) / "attempt.json",
-                                  {"start_epoch": self.start_epoch, "attempt": self.attempts,
-                                   "ranks": self.ranks})
+            # an artifact under results/ like any other: it says which code and machine ran
+            # this attempt (a resumed run can span several)
+            provenance.write_artifact(
+                Path(self.csv_logger.log_dir) / "attempt.json",
+                {"start_epoch": self.start_epoch, "attempt": self.attempts, "ranks": self.ranks},
+                config_slice={"train_digest": pl_module.hparams.get("train_digest")})
 
     def on_train_end(self, trainer, pl_module):
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
@@ -607,9 +611,7 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
     if not gpu:
         # Snakemake exports OMP_NUM_THREADS=<job threads>, and Lightning then leaves every rank
         # that many threads: 2 ranks x 2 threads on 2 cores ran 3x slower. Share the cores.
-        from imgclf.hardware import usable_cpus
-
-        torch.set_num_threads(max(1, usable_cpus() // int(cluster["devices_per_node"])))
+        torch.set_num_threads(slurm.cpu_threads_per_rank(int(cluster["devices_per_node"])))
     backend = "nccl" if gpu else "gloo"
     trainer = L.Trainer(
         accelerator=cluster["accelerator"], devices=int(cluster["devices_per_node"]),
@@ -667,6 +669,8 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
         "devices_per_node": int(cluster["devices_per_node"]),
         "accelerator": cluster["accelerator"],
         "strategy": f"ddp ({backend})",
+        # SLURMEnvironment: ranks started by srun; LightningEnvironment: by Lightning's launcher
+        "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
         "ranks": recorder.ranks,
         "sync_batchnorm": sync_bn,
         "precision": precision,

@@ -3,14 +3,16 @@ import json
 import sys
 from pathlib import Path
 
+from imgclf import hydration, report_tables
+
 # the CLI of the environment Snakemake runs in (it need not be on PATH)
 IMGCLF = str(Path(sys.executable).parent / "imgclf")
-
 
 
 wildcard_constraints:
     cluster="|".join(sorted(config["clusters"], key=len, reverse=True)),
     run=r"\d+",
+    table="|".join(report_tables.TABLES),
 
 
 def hw(wildcards):
@@ -29,8 +31,29 @@ def data_input(wildcards):
 
 
 def code(*modules):
-    """Package modules a rule runs, as inputs: editing one reruns the rule and its dependents."""
-    return [settings.module_path(m) for m in modules]
+    """Package modules that a stage runs, as its inputs: an edit reruns it and its dependents.
+    They resolve in this workflow's src/imgclf (the editable install points at the same files),
+    so a copy of the workflow tracks its own copy of the code."""
+    return [settings.module_path(m, workflow.basedir) for m in modules]
+
+
+def hydration_verdict(wildcards):
+    """The check's verdict hand-off, as `ancient`: a rerun of the check that rewrites it does
+    not by itself mark the loader benchmark (and all after it) for a rerun. Its content is
+    compared through `census` (see verdict_census) once the checkpoint has run."""
+    return ancient(f"results/hydration/{wildcards.cluster}.verdict.json")
+
+
+def verdict_census(wildcards):
+    """Verdict and census digest of the hand-off, as a param of the loader benchmark: a changed
+    census is a changed param, which reruns it (Snakemake re-evaluates it once the checkpoint
+    has run, in the same invocation)."""
+    return hydration.handoff_key(f"results/hydration/{wildcards.cluster}.verdict.json")
+
+
+def report_table_source(wildcards):
+    """The stage JSON that a key table of the report is made from."""
+    return report_tables.SOURCES[wildcards.table].format(cluster=wildcards.cluster)
 
 
 def all_targets(cluster):
@@ -40,6 +63,7 @@ def all_targets(cluster):
         f"results/memory/{cluster}.json",
         f"results/lr/{cluster}_summary.json",
         f"results/eval/{cluster}.json",
+        *(f"results/report/{cluster}/{table}.html" for table in report_tables.TABLES),
     ]
 
 
@@ -55,4 +79,6 @@ def lr_summary_input(wildcards):
 
 
 def lr_runs(cluster):
-    return [f"results/lr/{cluster}/run{i}.json" for i in range(config["lr_finder"]["runs"])]
+    return [
+        f"results/lr/{cluster}/run{i}.json" for i in range(config["lr_finder"]["runs"])
+    ]

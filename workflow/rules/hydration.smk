@@ -1,17 +1,26 @@
-rule check_hydration:
-    """Census, Lustre HSM state, read throughput and a verdict for the cluster's data root."""
+checkpoint check_hydration:
+    """Census, Lustre HSM state, read throughput and a verdict for the cluster's data root. A
+    checkpoint: the stages after it take the small verdict hand-off, and only once the check
+    has run does Snakemake decide whether they rerun (not when verdict and census are equal).
+    """
     input:
         data=data_input,
         code=code("hydration"),
     output:
-        report(
+        report=report(
             "results/hydration/{cluster}.json",
             caption="../report/hydration.rst",
             category="1. Hydration",
         ),
-    params:
-        p=lambda wc: settings.hydration_params(config, wc.cluster),
+        verdict="results/hydration/{cluster}.verdict.json",
+        plot=report(
+            "results/hydration/{cluster}.png",
+            caption="../report/hydration.rst",
+            category="1. Hydration",
+        ),
     log:
         "logs/hydration/{cluster}.log",
+    params:
+        p=lambda wc: settings.hydration_params(config, wc.cluster),
     script:
         "../scripts/check_hydration.py"

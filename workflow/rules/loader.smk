@@ -2,7 +2,7 @@ rule benchmark_loader:
     """Images/s of the training input pipeline per num_workers x prefetch x decode path; the
     cheapest configuration near the best that fits the RAM budget."""
     input:
-        hydration="results/hydration/{cluster}.json",
+        verdict=hydration_verdict,
         data=data_input,
         code=code("loader_bench", "data", "recipes"),
     output:
@@ -28,5 +28,6 @@ rule benchmark_loader:
     threads: workflow.cores  # timing needs the machine to itself
     params:
         p=lambda wc: settings.loader_params(config, wc.cluster),
+        census=verdict_census,
     script:
         "../scripts/benchmark_loader.py"

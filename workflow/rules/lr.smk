@@ -6,15 +6,15 @@ rule lr_find:
         code=code("lr_find", "recipes", "data"),
     output:
         "results/lr/{cluster}/run{run}.json",
-    params:
-        p=lambda wc: settings.lr_find_params(config, wc.cluster),
-    resources:
-        gpu=1,
-    threads: 1
     log:
         "logs/lr/{cluster}/run{run}.log",
     benchmark:
         "benchmarks/lr_find/{cluster}_run{run}.tsv"
+    threads: 1
+    resources:
+        gpu=1,
+    params:
+        p=lambda wc: settings.lr_find_params(config, wc.cluster),
     script:
         "../scripts/lr_find.py"
 
@@ -32,9 +32,9 @@ rule summarize_lr:
             caption="../report/lr.rst",
             category="4. Learning rate",
         ),
-    params:
-        p=lambda wc: settings.lr_summary_params(config, wc.cluster),
     log:
         "logs/lr/{cluster}_summary.log",
+    params:
+        p=lambda wc: settings.lr_summary_params(config, wc.cluster),
     script:
         "../scripts/summarize_lr.py"

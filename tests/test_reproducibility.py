@@ -1,0 +1,392 @@
+"""Reproducibility (issue 7): provenance in every artifact, exact change propagation, the
+hydration hand-off, two complete CPU runs that agree, the HTML report, lint and format.
+
+One complete demo run at a reduced cost (REDUCED) is shared by the tests that read it. A test
+that changes its state puts it back, or works on a clone of it."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BIN, REPO, SNAKEMAKE, copy_workflow, snakemake
+
+# A complete run, cheaper: a one-point loader grid (which also pins the timed loader choice, one
+# of the settings that make two runs agree), 2 LR runs of 40 steps, 2 epochs.
+REDUCED = {
+    "loader": {"decoders": ["pil"], "workers": [0], "measure_seed_default": False,
+               "seconds_per_config": 0.3, "windows": 2, "warmup_batches": 1},
+    "lr_finder": {"runs": 2, "num_iter": 40},
+    "train": {"epochs": 2},
+}
+RUN_TIMEOUT = 900
+
+
+def merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def reduced_copy(dest: Path) -> Path:
+    """A workflow copy whose config/config.yaml carries REDUCED (so every call uses it)."""
+    work = copy_workflow(dest)
+    cfg = work / "config" / "config.yaml"
+    cfg.write_text(yaml.safe_dump(merge(yaml.safe_load(cfg.read_text()), REDUCED),
+                                  sort_keys=False))
+    return work
+
+
+def out(res) -> str:
+    return res.stdout + res.stderr
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """The demo workflow after one complete run from scratch (demo data included)."""
+    work = reduced_copy(tmp_path_factory.mktemp("repro") / "wf")
+    res = snakemake(work, timeout=RUN_TIMEOUT)
+    assert res.returncode == 0, out(res)[-6000:]
+    return work
+
+
+# --- what Snakemake plans or runs ---------------------------------------------------------------
+
+HEADER = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
+
+
+def jobs(res) -> set[str]:
+    """Jobs in Snakemake's job blocks (planned by a dry run, started by a real run), named
+    rule[wildcards] without the cluster, which is always `local` here."""
+    lines = out(res).splitlines()
+    found = set()
+    for i, line in enumerate(lines):
+        m = HEADER.match(line)
+        if not m:
+            continue
+        name = m.group(1)
+        for detail in lines[i + 1:]:
+            if not detail.startswith("    "):
+                break
+            key, _, value = detail.strip().partition(": ")
+            if key == "wildcards":
+                wc = dict(kv.split("=", 1) for kv in value.split(", "))
+                wc.pop("cluster", None)
+                if wc:
+                    name += "[" + ",".join(f"{k}={v}" for k, v in sorted(wc.items())) + "]"
+        found.add(name)
+    return found
+
+
+def plan(work: Path, *targets: str, configfile: Path | None = None) -> set[str]:
+    args = [*targets, "--dry-run"] + (["--configfile", str(configfile)] if configfile else [])
+    res = snakemake(work, *args)
+    assert res.returncode == 0, out(res)[-4000:]
+    if not jobs(res):
+        assert "Nothing to be done" in out(res), out(res)[-4000:]
+    return jobs(res)
+
+
+def table(name: str) -> str:
+    return f"report_table[table={name}]"
+
+
+# The jobs downstream of each stage, inclusive (the DAG of Snakefile; 2 LR runs in REDUCED).
+EVAL = {"evaluate", table("eval"), "all"}
+TRAIN = {"train_model"} | EVAL
+LR_SUMMARY = {"summarize_lr", table("lr")} | TRAIN
+LR = {"lr_find[run=0]", "lr_find[run=1]"} | LR_SUMMARY
+MEMORY = {"solve_memory", table("memory")} | LR
+LOADER = {"benchmark_loader", table("loader")} | MEMORY
+# the check's dependents wait for it (checkpoint): planned is the check only
+HYDRATION = {"check_hydration", "all"}
+DATA = {"prepare_demo_data"} | HYDRATION | LOADER
+TABLES = {table(t) for t in ("loader", "memory", "lr", "eval")}
+
+CONFIG_CASES = {
+    "dataset: demo images": ("demo: {jpeg_quality: 90}", DATA),
+    "dataset: expected counts": ("dataset: {expected_train: 1438}", HYDRATION),
+    "hydration": ("hydration: {decode_sample: 100}", HYDRATION),
+    "loader": ("loader: {tolerance: 0.1}", LOADER),
+    "memory": ("memory: {safety_margin: 0.8}", MEMORY),
+    "model.arch (not timed by the loader)": ("model: {arch: resnet34}", MEMORY),
+    "lr_finder: one range test": ("lr_finder: {num_iter: 30}", LR),
+    "lr_finder: aggregation": ("lr_finder: {scaling: sqrt}", LR_SUMMARY),
+    "train": ("train: {epochs: 3}", TRAIN),
+    "evaluate": ("evaluate: {top_confused: 5}", EVAL),
+    "hardware: g5 entry": ("clusters: {g5: {gpu_memory_gb: 48}}", set()),
+    "hardware: local read floor": ("clusters: {local: {min_read_mb_s: 0.5}}", HYDRATION),
+    "hardware: local CPU ranks": ("clusters: {local: {cpu_processes: 3}}", LOADER),
+    "no-op": (None, set()),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_config_edit_plans_exactly_its_dependents(demo_run, tmp_path, case):
+    text, expected = CONFIG_CASES[case]
+    cfg = None
+    if text is not None:
+        cfg = tmp_path / "edit.yaml"
+        cfg.write_text(text + "\n")
+    assert plan(demo_run, configfile=cfg) == expected
+
+
+CODE_CASES = {
+    "hydration.py": ("hydration", (), HYDRATION),
+    "loader_bench.py": ("loader_bench", (), LOADER),
+    "memory.py": ("memory", (), MEMORY),
+    "lr_find.py": ("lr_find", (), LR),
+    "evaluate.py": ("evaluate", (), EVAL),
+    "report_tables.py": ("report_tables", (), TABLES | {"all"}),
+    # the stages up to the LR summary do not run evaluate.py
+    "evaluate.py, unrelated to the LR summary": ("evaluate", ("results/lr/local_summary.json",),
+                                                 set()),
+}
+
+
+@pytest.mark.parametrize("case", list(CODE_CASES))
+def test_code_edit_plans_its_stage_and_dependents(demo_run, case):
+    """Edits the workflow copy's own src/imgclf (the rules' code inputs), never the repository."""
+    module, targets, expected = CODE_CASES[case]
+    path = demo_run / "src" / "imgclf" / f"{module}.py"
+    backup = path.with_name(path.name + ".orig")
+    shutil.copy2(path, backup)
+    try:
+        path.write_text(path.read_text() + "\n# edited by test_reproducibility\n")
+        assert plan(demo_run, *targets) == expected
+    finally:
+        shutil.copy2(backup, path)  # content and mtime: the run is as before
+        backup.unlink()
+    assert plan(demo_run, *targets) == set()
+
+
+# --- the hydration hand-off -------------------------------------------------------------------
+
+DOWNSTREAM = ("results/loader/local.json", "results/memory/local.json",
+              "results/lr/local/run0.json", "results/lr/local/run1.json",
+              "results/lr/local_summary.json", "results/train/local/best.ckpt",
+              "results/train/local/train_summary.json", "results/eval/local.json",
+              *(f"results/report/local/{t}.html" for t in ("loader", "memory", "lr", "eval")))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def digests(work: Path, files) -> dict:
+    return {f: sha256(work / f) for f in files}
+
+
+HANDOFF_RUNS = {
+    "forced rerun": [("--forcerun", "check_hydration")],
+    "hydration setting edited, then restored": [("--configfile", "edit.yaml"), ()],
+}
+
+
+@pytest.mark.parametrize("case", list(HANDOFF_RUNS))
+def test_rerun_check_with_same_census_reruns_nothing_after_it(demo_run, case):
+    """The check really runs (its report is rewritten), the verdict hand-off is rewritten with
+    the same bytes, and no later stage runs: their outputs keep their bytes."""
+    (demo_run / "edit.yaml").write_text("hydration: {decode_sample: 100}\n")
+    before = digests(demo_run, DOWNSTREAM)
+    verdict = sha256(demo_run / "results/hydration/local.verdict.json")
+    for args in HANDOFF_RUNS[case]:
+        report_mtime = (demo_run / "results/hydration/local.json").stat().st_mtime_ns
+        res = snakemake(demo_run, *args)
+        assert res.returncode == 0, out(res)[-4000:]
+        assert "check_hydration" in jobs(res) and jobs(res) <= HYDRATION, out(res)[-4000:]
+        assert (demo_run / "results/hydration/local.json").stat().st_mtime_ns > report_mtime
+    assert sha256(demo_run / "results/hydration/local.verdict.json") == verdict
+    assert digests(demo_run, DOWNSTREAM) == before
+    assert plan(demo_run) == set()
+
+
+def test_census_change_propagates_through_the_handoff(demo_run, tmp_path):
+    """On a clone of the run: one more training image is a census change, which the rerun check
+    hands on to the loader benchmark, and from there to everything after it."""
+    clone = tmp_path / "clone"
+    shutil.copytree(demo_run, clone, symlinks=True,
+                    ignore=shutil.ignore_patterns("checkpoints", "superseded"))
+    assert plan(clone) == set()  # a copied run folder keeps its state (relative code inputs)
+    handoff = clone / "results/hydration/local.verdict.json"
+    old = json.loads(handoff.read_text())
+    image = sorted((clone / "results/demo/digits/train/3").glob("*.jpg"))[0]
+    shutil.copy(image, image.with_name("extra.jpg"))
+
+    res = snakemake(clone, "results/loader/local.json", "--forcerun", "check_hydration")
+    assert res.returncode == 0, out(res)[-4000:]
+    assert jobs(res) == {"check_hydration", "benchmark_loader"}
+    new = json.loads(handoff.read_text())
+    assert new["census_digest"] != old["census_digest"]
+    assert new["files"]["train"] == old["files"]["train"] + 1
+    assert plan(clone) == LOADER - {"benchmark_loader"}
+
+
+# --- provenance -------------------------------------------------------------------------------
+
+# each stage's JSON and the upstream files its provenance must name, with their digests
+DECLARED_INPUTS = {
+    "results/loader/local.json": ["results/hydration/local.verdict.json"],
+    "results/memory/local.json": ["results/loader/local.json"],
+    "results/lr/local/run0.json": ["results/memory/local.json"],
+    "results/lr/local_summary.json": ["results/lr/local/run0.json", "results/lr/local/run1.json",
+                                      "results/memory/local.json"],
+    "results/train/local/train_summary.json": ["results/memory/local.json",
+                                               "results/lr/local_summary.json"],
+    "results/eval/local.json": ["results/memory/local.json", "results/train/local/best.ckpt"],
+}
+VERSIONS = ("python", "torch", "torchvision", "lightning", "torch-lr-finder", "snakemake")
+
+
+def test_every_json_artifact_carries_complete_provenance(demo_run):
+    import torch
+
+    from imgclf.provenance import SCHEMA_VERSION
+
+    files = sorted(str(p.relative_to(demo_run)) for p in (demo_run / "results").rglob("*.json"))
+    assert set(DECLARED_INPUTS) | {"results/hydration/local.json",
+                                   "results/hydration/local.verdict.json"} <= set(files)
+    assert any(f.endswith("attempt.json") for f in files)
+    for f in files:
+        p = json.loads((demo_run / f).read_text())["provenance"]
+        assert p["schema_version"] == SCHEMA_VERSION, f
+        if p.get("handoff"):  # stable by design; its provenance is the full report's
+            assert f.endswith(".verdict.json") and (demo_run / p["full_report"]).is_file(), f
+            assert "created" not in p
+            continue
+        assert dt.datetime.fromisoformat(p["created"]).tzinfo is not None, f
+        assert re.fullmatch("[0-9a-f]{64}", p["config_digest"]), f
+        assert all(p["versions"][k] for k in VERSIONS), (f, p["versions"])
+        hw = p["hardware"]
+        assert hw["cpu_model"] and hw["cpus"] >= 1 and hw["ram_gb"] > 0, f
+        assert isinstance(hw["gpus"], list), f
+        assert hw["cuda"] == torch.version.cuda, f  # also where the stage never imports torch
+        wf = p["workflow"]
+        assert isinstance(wf["dirty"], bool), f
+        known = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e",
+                                f"{wf['revision']}^{{commit}}"], capture_output=True)
+        assert known.returncode == 0, (f, wf)  # a commit of this repository
+    for f, inputs in DECLARED_INPUTS.items():
+        recorded = json.loads((demo_run / f).read_text())["provenance"]["inputs"]
+        assert recorded == {i: sha256(demo_run / i) for i in inputs}, f
+
+
+def test_provenance_command_prints_it_readably(demo_run):
+    ev = json.loads((demo_run / "results/eval/local.json").read_text())["provenance"]
+    res = subprocess.run([str(BIN / "imgclf"), "provenance", "results/eval/local.json",
+                          "results/hydration/local.verdict.json"], cwd=demo_run,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    assert f"created        {ev['created']}" in text
+    assert f"config digest  {ev['config_digest']}" in text
+    assert f"workflow       {ev['workflow']['revision']}" in text
+    assert f"CUDA {ev['hardware']['cuda'] or 'n/a'}" in text
+    assert f"torch-lr-finder {ev['versions']['torch-lr-finder']}" in text
+    digest = ev["inputs"]["results/train/local/best.ckpt"]
+    assert f"input          results/train/local/best.ckpt sha256:{digest[:16]}" in text
+    assert "hand-off file" in text and "results/hydration/local.json" in text
+
+
+# --- determinism --------------------------------------------------------------------------------
+
+VOLATILE = {"provenance", "wall_time_s", "images_per_s", "seconds"}
+
+
+def stable(path: Path) -> dict:
+    return {k: v for k, v in json.loads(path.read_text()).items() if k not in VOLATILE}
+
+
+def test_two_complete_runs_agree_on_the_cpu(demo_run, tmp_path):
+    """A second complete run from scratch with the same seeds and settings: the same loader
+    choice and memory solve, identical LR-finder histories and summary, the same accuracy."""
+    second = reduced_copy(tmp_path / "second")
+    res = snakemake(second, timeout=RUN_TIMEOUT)
+    assert res.returncode == 0, out(res)[-6000:]
+    one, two = demo_run / "results", second / "results"
+    choice = ("decoder", "num_workers", "prefetch_factor")
+    c1, c2 = (json.loads((r / "loader/local.json").read_text())["choice"] for r in (one, two))
+    assert [c1[k] for k in choice] == [c2[k] for k in choice]
+    for key in ("per_gpu_batch", "accumulate_grad_batches", "lr_finder_batch", "num_workers",
+                "decoder", "breakdown"):
+        assert stable(one / "memory/local.json")[key] == stable(two / "memory/local.json")[key]
+    for run in ("run0", "run1"):
+        a, b = stable(one / f"lr/local/{run}.json"), stable(two / f"lr/local/{run}.json")
+        assert a["history"] == b["history"], run
+        assert a == b, run
+    assert stable(one / "lr/local_summary.json") == stable(two / "lr/local_summary.json")
+    t1 = json.loads((one / "train/local/train_summary.json").read_text())
+    t2 = json.loads((two / "train/local/train_summary.json").read_text())
+    assert t1["val_acc1_by_epoch"] == t2["val_acc1_by_epoch"]
+    assert t1["train_digest"] == t2["train_digest"]
+    e1, e2 = stable(one / "eval/local.json"), stable(two / "eval/local.json")
+    assert (e1["top1"], e1["loss"], e1["confusion_matrix"]) == \
+        (e2["top1"], e2["loss"], e2["confusion_matrix"])
+    assert e1 == e2
+
+
+# --- the report -------------------------------------------------------------------------------
+
+FIGURES = ("results/hydration/local.png", "results/loader/local.png", "results/memory/local.png",
+           "results/lr/local.png", "results/train/local/curves.png",
+           "results/eval/local_confusion.png")
+REPORT_TABLES = tuple(f"results/report/local/{t}.html" for t in ("loader", "memory", "lr", "eval"))
+
+
+def report_results(html: str) -> dict:
+    """The `results` object that Snakemake's report embeds: path -> caption, data URI, ..."""
+    marker = "var results = "
+    start = html.index(marker, html.index('<script id="results">')) + len(marker)
+    return json.JSONDecoder().raw_decode(html, start)[0]
+
+
+def test_report_embeds_every_figure_and_table_with_a_caption(demo_run):
+    res = snakemake(demo_run, "--report", "results/report.html")
+    assert res.returncode == 0, out(res)[-4000:]
+    results = report_results((demo_run / "results/report.html").read_text())
+    for path in FIGURES + REPORT_TABLES:
+        assert path in results, (path, sorted(results))
+        entry = results[path]
+        data = base64.b64encode((demo_run / path).read_bytes()).decode()
+        assert entry["data_uri"].endswith("base64," + data), path  # self-contained
+        assert "Look for" in entry["caption"], (path, entry["caption"])
+    loader = json.loads((demo_run / "results/loader/local.json").read_text())
+    assert f"<td>{loader['choice']['decoder']}</td>" in (demo_run / REPORT_TABLES[0]).read_text()
+    ev = json.loads((demo_run / "results/eval/local.json").read_text())
+    assert f"{100 * ev['top1']:.2f} %" in (demo_run / REPORT_TABLES[3]).read_text()
+
+
+# --- lint and format ----------------------------------------------------------------------------
+
+CONDA_REMARK = "Specify a conda environment or container for each rule."
+
+
+def test_snakemake_lint_has_only_the_documented_remark(tmp_path):
+    """The one remark left is explained in the Snakefile: the software is the imgclf package
+    in .venv, pinned by pyproject.toml, not a conda environment per rule."""
+    work = copy_workflow(tmp_path / "wf")
+    res = subprocess.run([SNAKEMAKE, "--lint"], cwd=work, capture_output=True, text=True,
+                         timeout=300)
+    text = out(res)
+    items = re.findall(r"^Lints for (.+?):\n((?:    .*\n?)+)", text, re.M)
+    remarks = {(item, title) for item, block in items
+               for title in re.findall(r"^    \* (.+?):$", block, re.M)}
+    assert remarks, text  # --lint ran: the rules have no conda environments
+    assert {title for _, title in remarks} == {CONDA_REMARK}, text
+    assert "conda environment" in (REPO / "Snakefile").read_text()
+
+
+def test_workflow_files_are_snakefmt_formatted():
+    res = subprocess.run([str(BIN / "snakefmt"), "--check", "Snakefile", "workflow/"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, out(res)

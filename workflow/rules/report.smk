@@ -1,0 +1,17 @@
+rule report_table:
+    """One key table of the HTML report (chosen loader settings, memory solve, LR summary,
+    evaluation) as a small HTML page: the report shows HTML inline, a TSV only as a download.
+    """
+    input:
+        json=report_table_source,
+        code=code("report_tables"),
+    output:
+        report(
+            "results/report/{cluster}/{table}.html",
+            caption="../report/tables.rst",
+            category="7. Key tables",
+        ),
+    log:
+        "logs/report/{cluster}_{table}.log",
+    script:
+        "../scripts/report_table.py"
