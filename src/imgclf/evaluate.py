@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from imgclf import data, provenance, recipes
+from imgclf import data, provenance, recipes, settings
 from imgclf.errors import UserError
 
 log = logging.getLogger("imgclf.evaluate")
@@ -28,12 +28,7 @@ MEMORY_KEYS = ("per_gpu_batch", "num_workers", "prefetch_factor", "decoder")
 
 
 def evaluate_settings(params: dict) -> dict:
-    given = params.get("evaluate") or {}
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise UserError(f"Unknown key(s) {', '.join(unknown)} under `evaluate:` "
-                        f"(allowed: {', '.join(DEFAULTS)}).")
-    return {**DEFAULTS, **given}
+    return settings.section(params, "evaluate", DEFAULTS)
 
 
 class Accumulator:

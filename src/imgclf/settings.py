@@ -51,6 +51,17 @@ def checked(config: dict) -> dict:
     return config
 
 
+def section(params: dict, name: str, defaults: dict) -> dict:
+    """A stage's config section from a params JSON, defaults filled in; unknown keys are a user
+    error (the CLI's --params-json bypasses the schema)."""
+    given = params.get(name) or {}
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise UserError(f"Unknown key(s) {', '.join(unknown)} under `{name}:` "
+                        f"(allowed: {', '.join(defaults)}).")
+    return {**defaults, **given}
+
+
 def module_path(module: str, workflow_dir: str | os.PathLike | None = None) -> str:
     """Path of a package module, so rules can depend on the code they run.
 

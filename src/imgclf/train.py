@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from imgclf import data, provenance, recipes, slurm
+from imgclf import data, provenance, recipes, settings, slurm
 from imgclf.errors import UserError
 
 log = logging.getLogger("imgclf.train")
@@ -68,12 +68,7 @@ CKPT_NAME = "epoch={epoch}-val_acc1={val/acc1:.4f}"
 
 def train_settings(params: dict) -> dict:
     """The `train:` slice with defaults filled in; unknown keys are a user error."""
-    given = params.get("train") or {}
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise UserError(f"Unknown key(s) {', '.join(unknown)} under `train:` "
-                        f"(allowed: {', '.join(DEFAULTS)}).")
-    t = {**DEFAULTS, **given}
+    t = settings.section(params, "train", DEFAULTS)
     if t["lr_source"] not in LR_SOURCES:
         raise UserError(f"`train.lr_source` is {t['lr_source']!r}: choose one of "
                         f"{', '.join(LR_SOURCES)}.")
