@@ -1,3 +1,5 @@
+# No conda:/container: on these rules (the lint remark): their software is the imgclf package
+# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
 checkpoint check_hydration:
     """Census, Lustre HSM state, read throughput and a verdict for the cluster's data root. A
     checkpoint: the stages after it take the small verdict hand-off, and only once the check
