@@ -133,15 +133,8 @@ def plot_pairs(pairs: list[dict], num_classes: int, path) -> None:
 
 
 def read_memory(path) -> dict:
-    try:
-        m = provenance.read_json(path)
-    except FileNotFoundError:
-        raise UserError(f"Memory solve {path} does not exist: run the solve_memory rule "
-                        f"(`snakemake {path}`) first.") from None
-    missing = [k for k in MEMORY_KEYS if k not in m]
-    if missing:
-        raise UserError(f"Memory solve {path} lacks {', '.join(missing)}: regenerate it.")
-    return m
+    return provenance.read_upstream(path, MEMORY_KEYS, "Memory solve",
+                                    f"run the solve_memory rule (`snakemake {path}`) first")
 
 
 def load_checkpoint(path) -> dict:

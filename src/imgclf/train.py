@@ -78,21 +78,8 @@ def train_settings(params: dict) -> dict:
     return t
 
 
-def read_upstream(path, keys, what: str, how: str) -> dict:
-    try:
-        d = provenance.read_json(path)
-    except FileNotFoundError:
-        raise UserError(f"{what} {path} does not exist: {how}.") from None
-    except ValueError:
-        raise UserError(f"{what} {path} is not valid JSON: delete it and {how}.") from None
-    missing = [k for k in keys if k not in d]
-    if missing:
-        raise UserError(f"{what} {path} lacks {', '.join(missing)}: regenerate it ({how}).")
-    return d
-
-
 def read_memory(path, cluster_name: str) -> dict:
-    m = read_upstream(path, MEMORY_KEYS, "Memory solve",
+    m = provenance.read_upstream(path, MEMORY_KEYS, "Memory solve",
                       f"run `snakemake results/memory/{cluster_name}.json` first")
     if m["decoder"] not in data.DECODERS:
         raise UserError(f"Memory solve {path} names decoder {m['decoder']!r}: expected one of "
@@ -107,7 +94,7 @@ def resolve_lr(source: str, lr_summary_path, recipe: recipes.Recipe, global_batc
         return {"value": reference, "source": "recipe", "global_batch": global_batch,
                 "detail": f"recipe {recipe.name}: {recipe.lr:g} at batch {recipe.ref_batch}, "
                           f"scaled linearly to global batch {global_batch}"}
-    s = read_upstream(lr_summary_path, ("training_lr",), "LR summary",
+    s = provenance.read_upstream(lr_summary_path, ("training_lr",), "LR summary",
                       f"run `snakemake {lr_summary_path}` or set `train.lr_source: recipe`")
     lr = s["training_lr"]
     if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
