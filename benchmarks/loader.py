@@ -3,7 +3,7 @@
 Generates (once, into benchmarks/data/, git-ignored) a few thousand JPEGs of about 500x375 at
 quality 90 in several classes; nothing is downloaded. Then runs the benchmark_loader stage's
 own code on it for the chosen cluster entry (grid, both decode paths, the choice), and re-times
-the seed default (PIL, 12 workers, prefetch 3) and the chosen configuration alternately
+the baseline (PIL, 12 workers, prefetch 3) and the chosen configuration alternately
 `--repeats` times, printing the medians side by side with their ratio.
 
     .venv/bin/python benchmarks/loader.py [--images 3000] [--cluster local] [--batch-size 64]
@@ -98,13 +98,13 @@ def main(argv=None) -> int:
         print(f"  {r['decoder']:6s} workers {r['num_workers']:2d} prefetch {r['prefetch_factor']}"
               f"  {r['images_per_s'] or 0:8.1f} img/s  {report['rss_kind']} "
               f"{(r['peak_bytes'] or 0) / 1e9:5.2f} GB  {'<- chosen' if r['chosen'] else ''}"
-              f"{'<- seed default' if r['role'] == 'seed_default' else ''}")
+              f"{'<- baseline' if r['role'] == 'baseline' else ''}")
     print(f"choice: {report['choice']['why']}")
 
     # side by side: the two configurations re-timed alternately, medians of the repeats
     recipe = recipes.get(args.recipe)
-    seed = report["seed_default"]
-    pair = {"seed default": (seed["decoder"], seed["num_workers"], seed["prefetch_factor"]),
+    seed = report["baseline"]
+    pair = {"baseline": (seed["decoder"], seed["num_workers"], seed["prefetch_factor"]),
             "rule's choice": (report["choice"]["decoder"], report["choice"]["num_workers"],
                               report["choice"]["prefetch_factor"])}
     figures = {name: [] for name in pair}
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
         med[name] = statistics.median(figures[name])
         print(f"  {name:14s} {decoder:6s} workers {w:2d} prefetch {p}: {med[name]:8.1f} img/s "
               f"(repeats: {', '.join(f'{x:.1f}' for x in figures[name])})")
-    ratio = med["rule's choice"] / med["seed default"]
-    print(f"  ratio choice / seed default: {ratio:.2f}")
+    ratio = med["rule's choice"] / med["baseline"]
+    print(f"  ratio choice / baseline: {ratio:.2f}")
     if report["note"]:
         print(f"note: {report['note']}")
     print(f"total {time.perf_counter() - t0:.0f} s")

@@ -79,7 +79,7 @@ def checkpoint(demo_root, tmp_path_factory) -> Path:
 
 def write_memory(tmp: Path) -> Path:
     m = tmp / "memory.json"
-    m.write_text(json.dumps({"per_gpu_batch": 64, "accumulate_grad_batches": 1,
+    m.write_text(json.dumps({"per_device_batch": 64, "accumulate_grad_batches": 1,
                              "global_batch": 128, "num_workers": 0, "prefetch_factor": 2,
                              "decoder": "pil", "method": "estimated", "accelerator": "cpu"}))
     return m

@@ -51,10 +51,10 @@ def test_rule_on_demo_data_writes_a_choice_that_fits_the_ram_budget(through_memo
             r["num_workers"] * r["prefetch_factor"] * report["batch_bytes"]
         assert r["measured"] and r["batches_timed"] >= 3
 
-    seed = report["seed_default"]
+    seed = report["baseline"]
     assert (seed["decoder"], seed["num_workers"], seed["prefetch_factor"]) == ("pil", 12, 3)
     assert seed["measured"] is True and seed["images_per_s"] > 0
-    assert seed["choice_over_seed_default"] == pytest.approx(
+    assert seed["choice_over_baseline"] == pytest.approx(
         choice["images_per_s"] / seed["images_per_s"], rel=1e-2)
 
     with open(through_memory / "results/loader/local.csv") as f:
@@ -108,21 +108,21 @@ def test_no_configuration_fitting_is_one_sentence():
 
 def test_planning_a_bigger_cluster_measures_what_this_machine_has(demo_root):
     """A cluster with more CPUs per device than this machine: only measurable worker counts,
-    marked as this machine's figures, and the seed default skipped when it is switched off."""
+    marked as this machine's figures, and the baseline skipped when it is switched off."""
     here = hardware.usable_cpus()
     hw = {"name": "big", "cpus_per_node": 4 * (here + 4), "devices_per_node": 4, "nodes": 1,
           "ram_gb": 64, "accelerator": "gpu", "gpus_per_node": 4}
     cfg = settings.load()["loader"] | {"decoders": ["pil"], "seconds_per_config": 0.2,
                                        "windows": 1, "warmup_batches": 1,
-                                       "measure_seed_default": False, "prefetch_factors": [2]}
+                                       "measure_baseline": False, "prefetch_factors": [2]}
     report = loader_bench.benchmark(str(demo_root), cfg, {"recipe": "demo", "resolution": 32},
                                     hw, progress=False)
     assert report["cluster_cpus_exceed_this_machine"] is True
     assert "were not measured" in report["note"] and "big node" in report["note"]
     assert max(r["num_workers"] for r in report["rows"]) == here
     assert report["batch_size"] == 32  # 128 over 4 GPUs
-    assert report["seed_default"]["measured"] is False
-    assert "measure_seed_default" in report["seed_default"]["reason"]
+    assert report["baseline"]["measured"] is False
+    assert "measure_baseline" in report["baseline"]["reason"]
 
 
 @pytest.mark.parametrize("override, needle", [

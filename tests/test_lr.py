@@ -130,7 +130,7 @@ def test_torchvision_v2_reference_lr_at_global_batch():
 
 FAST = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [tensor], seconds_per_config: 0.3,
-         windows: 2, measure_seed_default: false}
+         windows: 2, measure_baseline: false}
 lr_finder: {num_iter: 30, skip_start: 3, skip_end: 2}
 """
 
@@ -143,7 +143,7 @@ def test_lr_stage_runs_for_real_and_is_reproducible(workflow_copy):
             for i in range(3)]
     memory = json.loads((workflow_copy / "results/memory/local.json").read_text())
     assert [r["seed"] for r in runs] == [0, 1, 2]
-    assert all(r["batch_size"] == memory["per_gpu_batch"] for r in runs)
+    assert all(r["batch_size"] == memory["per_device_batch"] for r in runs)
     assert runs[0]["history"]["loss"] != runs[1]["history"]["loss"]  # seeds differ
     summary = json.loads((workflow_copy / "results/lr/local_summary.json").read_text())
     assert summary["valid_runs"] + sum(r["excluded"] for r in summary["runs"]) == 3

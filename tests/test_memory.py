@@ -42,9 +42,9 @@ def test_rule_on_demo_data_solves_the_cpu_cluster(through_memory):
     assert report["method"] == "estimated" and report["accelerator"] == "cpu"
     assert report["devices_per_node"] == 2 and report["nodes"] == 1
     # CPU-only: the recipe's global batch (128) over 2 ranks, well inside the host RAM budget
-    assert report["per_gpu_batch"] == 64 and report["limited_by"] == "target_global_batch"
+    assert report["per_device_batch"] == 64 and report["limited_by"] == "target_global_batch"
     assert report["accumulate_grad_batches"] == 1 and report["global_batch"] == 128
-    assert report["lr_finder_batch"] == report["per_gpu_batch"]
+    assert report["lr_finder_batch"] == report["per_device_batch"]
     assert report["decoder"] == loader["choice"]["decoder"]
     assert report["num_workers"] <= loader["choice"]["num_workers"]
     assert report["predicted_gpu_bytes"] is None
@@ -91,19 +91,19 @@ def test_resnet50_amp_batch_grows_with_gpu_memory_p3_g5_p4():
         hw = settings.cluster(config, name)
         results[name] = memory.solve(config["memory"], RESNET50_AMP, hw, loader_report(name))
     p3, g5, p4 = (results[n] for n in ("p3", "g5", "p4"))
-    assert 0 < p3["per_gpu_batch"] < g5["per_gpu_batch"] < p4["per_gpu_batch"]
+    assert 0 < p3["per_device_batch"] < g5["per_device_batch"] < p4["per_device_batch"]
     for name, r in results.items():
         hw = settings.cluster(config, name)
-        assert r["method"] == "estimated" and r["per_gpu_batch"] % 8 == 0
+        assert r["method"] == "estimated" and r["per_device_batch"] % 8 == 0
         assert r["predicted_gpu_bytes"] <= 0.85 * hw["gpu_memory_gb"] * 1e9
         assert r["accumulate_grad_batches"] == math.ceil(
-            1024 / (r["per_gpu_batch"] * hw["gpus_per_node"] * hw["nodes"]))
-        assert r["global_batch"] == r["per_gpu_batch"] * hw["gpus_per_node"] * hw["nodes"] * \
+            1024 / (r["per_device_batch"] * hw["gpus_per_node"] * hw["nodes"]))
+        assert r["global_batch"] == r["per_device_batch"] * hw["gpus_per_node"] * hw["nodes"] * \
             r["accumulate_grad_batches"]
-        assert r["lr_finder_batch"] == r["per_gpu_batch"]
+        assert r["lr_finder_batch"] == r["per_device_batch"]
         assert r["breakdown"]["optimizer_state"] == r["model"]["params"] * 4
         # the next multiple of 8 would not fit under the margin
-        over = memory.breakdown(r["per_gpu_batch"] + 8, memory.model_profile(
+        over = memory.breakdown(r["per_device_batch"] + 8, memory.model_profile(
             "resnet50", 1000, 224, "bf16-mixed", True, "torchvision_v2"),
             resolution=224, state_floats=1, world=hw["gpus_per_node"], memory=config["memory"],
             gpu=True)
@@ -142,7 +142,7 @@ def test_cpu_cluster_capped_by_host_ram_accumulates():
           "ram_gb": ram_gb, "cpu_processes": 2}
     r = memory.solve(config["memory"], model, hw, loader)
     assert r["largest_fitting_batch"] == 36
-    assert r["limited_by"] == "host_ram" and r["per_gpu_batch"] == 32
+    assert r["limited_by"] == "host_ram" and r["per_device_batch"] == 32
     assert r["accumulate_grad_batches"] == 2 and r["global_batch"] == 128  # 32 x 2 ranks x 2
     assert r["predicted_host_bytes_per_process"] <= ram_gb * 1e9 * 0.8 / 2
 
@@ -171,7 +171,7 @@ def test_out_of_memory_during_probing_backs_off():
     assert len(result["probes"]) >= 3
     assert result["fixed_bytes"] == pytest.approx(1e9) and \
         result["per_sample_bytes"] == pytest.approx(50e6)
-    assert result["per_gpu_batch"] == 144  # (8.5e9 - 1e9) / 50e6 = 150 -> multiple of 8
+    assert result["per_device_batch"] == 144  # (8.5e9 - 1e9) / 50e6 = 150 -> multiple of 8
     assert result["verified"]["reserved"] <= 0.85 * 10e9
     assert step.calls[-1] == 144
 
@@ -182,7 +182,7 @@ def test_failed_verification_backs_off_to_a_batch_that_runs():
     result = memory.measure(step, 0.85 * 10e9, [32, 64, 96], round_to=8, max_batch=1024,
                             max_backoffs=8, what="test")
     assert "verification at batch 144: out of memory" in result["events"]
-    assert result["per_gpu_batch"] == 136
+    assert result["per_device_batch"] == 136
 
 
 def test_nothing_fits_when_probing_fails_is_one_sentence():
@@ -244,11 +244,11 @@ def test_measured_mode_runs_the_probe_search_on_the_device_given():
     assert ddp == r["model"]["params"] * 4  # 4 GPUs: DDP buckets the size of the gradients
     budget = 0.85 * 24e9 - 0.5e9 - ddp
     assert r["method"] == "measured" and r["measurement"]["device"] == "simulated A10G"
-    assert r["per_gpu_batch"] == memory.round_down(int((budget - 1e9) // 50e6), 8)
-    assert len(r["measurement"]["probes"]) >= 3 and sim.calls[-1] == r["per_gpu_batch"]
+    assert r["per_device_batch"] == memory.round_down(int((budget - 1e9) // 50e6), 8)
+    assert len(r["measurement"]["probes"]) >= 3 and sim.calls[-1] == r["per_device_batch"]
     assert r["predicted_gpu_bytes"] == pytest.approx(
-        1e9 + 50e6 * r["per_gpu_batch"] + 0.5e9 + ddp, rel=1e-6)
-    assert r["accumulate_grad_batches"] == math.ceil(1024 / (4 * r["per_gpu_batch"]))
+        1e9 + 50e6 * r["per_device_batch"] + 0.5e9 + ddp, rel=1e-6)
+    assert r["accumulate_grad_batches"] == math.ceil(1024 / (4 * r["per_device_batch"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPU")

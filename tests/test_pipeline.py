@@ -14,7 +14,7 @@ from conftest import SNAKEMAKE, snakemake
 
 RESUME = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [tensor], seconds_per_config: 0.3,
-         windows: 2, measure_seed_default: false}
+         windows: 2, measure_baseline: false}
 train: {epochs: 5, lr_source: recipe}
 """
 

@@ -23,7 +23,7 @@ from conftest import BIN, REPO, SNAKEMAKE, copy_workflow, snakemake
 # A complete run, cheaper: a one-point loader grid (which also pins the timed loader choice, one
 # of the settings that make two runs agree), 2 LR runs of 40 steps, 2 epochs.
 REDUCED = {
-    "loader": {"decoders": ["pil"], "workers": [0], "measure_seed_default": False,
+    "loader": {"decoders": ["pil"], "workers": [0], "measure_baseline": False,
                "seconds_per_config": 0.3, "windows": 2, "warmup_batches": 1},
     "lr_finder": {"runs": 2, "num_iter": 40},
     "train": {"epochs": 2},
@@ -317,7 +317,7 @@ def test_two_complete_runs_agree_on_the_cpu(demo_run, tmp_path):
     choice = ("decoder", "num_workers", "prefetch_factor")
     c1, c2 = (json.loads((r / "loader/local.json").read_text())["choice"] for r in (one, two))
     assert [c1[k] for k in choice] == [c2[k] for k in choice]
-    for key in ("per_gpu_batch", "accumulate_grad_batches", "lr_finder_batch", "num_workers",
+    for key in ("per_device_batch", "accumulate_grad_batches", "lr_finder_batch", "num_workers",
                 "decoder", "breakdown"):
         assert stable(one / "memory/local.json")[key] == stable(two / "memory/local.json")[key]
     for run in ("run0", "run1"):

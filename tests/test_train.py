@@ -34,7 +34,7 @@ def write_inputs(tmp: Path, demo_root: Path, train_cfg: dict, *, batch=32, lr=0.
     world = params["cluster"]["devices_per_node"] * params["cluster"]["nodes"]
     memory = tmp / "memory.json"
     memory.write_text(json.dumps({
-        "per_gpu_batch": batch, "accumulate_grad_batches": 1, "global_batch": batch * world,
+        "per_device_batch": batch, "accumulate_grad_batches": 1, "global_batch": batch * world,
         "num_workers": 1, "prefetch_factor": 2, "decoder": "pil", "method": "estimated",
         "accelerator": params["cluster"]["accelerator"]}))
     lr_summary = tmp / "lr_summary.json"

@@ -57,7 +57,7 @@ def cmd_benchmark_loader(args):
     out = args.out or f"results/loader/{name}"
     report = loader_bench.run_stage(**settings.loader_params(config, name), out_json=f"{out}.json",
                                     out_csv=f"{out}.csv", out_png=f"{out}.png")
-    print(json.dumps({"choice": report["choice"], "seed_default": report["seed_default"]}))
+    print(json.dumps({"choice": report["choice"], "baseline": report["baseline"]}))
 
 
 def cmd_solve_memory(args):
@@ -70,7 +70,7 @@ def cmd_solve_memory(args):
                               loader_json=args.loader or f"results/loader/{name}.json",
                               out_json=f"{out}.json", out_png=f"{out}.png")
     print(json.dumps({k: report[k] for k in (
-        "method", "per_gpu_batch", "accumulate_grad_batches", "global_batch", "num_workers",
+        "method", "per_device_batch", "accumulate_grad_batches", "global_batch", "num_workers",
         "prefetch_factor", "decoder", "predicted_gpu_bytes", "predicted_host_bytes")}))
 
 
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--runs", type=int, default=None, help="number of runs (default lr_finder.runs)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="override the per-GPU batch from the memory solve (e.g. after an OOM)")
+                   help="override the per-device batch from the memory solve (e.g. after an OOM)")
     p.add_argument("--memory", default=None, help="memory solve (default results/memory/CLUSTER.json)")
     p.add_argument("--out-dir", default=None, help="folder of runN.json (default results/lr/CLUSTER)")
     p.set_defaults(fn=cmd_lr_find)

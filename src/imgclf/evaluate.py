@@ -13,18 +13,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from imgclf import data, provenance, recipes, settings
+from imgclf import data, plots, provenance, recipes, settings
 from imgclf.errors import UserError
 
 log = logging.getLogger("imgclf.evaluate")
 
 # `evaluate:` config keys and their defaults.
 DEFAULTS = {
-    "batch_size": None,             # None: the per-GPU batch of the memory solve
+    "batch_size": None,             # None: the per-device batch of the memory solve
     "max_confusion_classes": 100,   # above this, plot the most confused pairs, not the matrix
     "top_confused": 20,             # how many confused (true, predicted) pairs to list and plot
 }
-MEMORY_KEYS = ("per_gpu_batch", "num_workers", "prefetch_factor", "decoder")
+MEMORY_KEYS = ("per_device_batch", "num_workers", "prefetch_factor", "decoder")
 
 
 def evaluate_settings(params: dict) -> dict:
@@ -87,49 +87,6 @@ def most_confused(cm: torch.Tensor, classes: list[str], n: int) -> list[dict]:
         out.append({"true": classes[t], "predicted": classes[p], "count": count,
                     "fraction_of_true": round(count / int(rows[t]), 5)})
     return out
-
-
-def plot_confusion(cm: torch.Tensor, classes: list[str], path) -> None:
-    """Row-normalised confusion matrix (rows: true class), counts written in small matrices."""
-    from matplotlib.figure import Figure
-
-    n = len(classes)
-    size = min(4 + 0.35 * n, 24)
-    fig = Figure(figsize=(size + 1.5, size), layout="constrained")
-    ax = fig.subplots()
-    norm = cm.double() / cm.sum(1, keepdim=True).clamp(min=1)
-    im = ax.imshow(norm.numpy(), cmap="Blues", vmin=0, vmax=1)
-    fig.colorbar(im, ax=ax, label="fraction of the true class")
-    if n <= 40:
-        ax.set_xticks(range(n), classes, rotation=90)
-        ax.set_yticks(range(n), classes)
-    if n <= 20:
-        for t in range(n):
-            for p in range(n):
-                if cm[t, p]:
-                    ax.text(p, t, int(cm[t, p]), ha="center", va="center", fontsize=8,
-                            color="white" if norm[t, p] > 0.5 else "black")
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_title(f"confusion matrix ({int(cm.sum())} images, top-1 "
-                 f"{100 * float(cm.diag().sum() / cm.sum().clamp(min=1)):.2f} %)")
-    with provenance.atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-
-
-def plot_pairs(pairs: list[dict], num_classes: int, path) -> None:
-    """Too many classes for a matrix: the most confused (true -> predicted) pairs as bars."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9, 1.5 + 0.3 * max(len(pairs), 1)), layout="constrained")
-    ax = fig.subplots()
-    labels = [f"{p['true']} -> {p['predicted']}" for p in pairs][::-1]
-    ax.barh(range(len(pairs)), [p["count"] for p in pairs][::-1])
-    ax.set_yticks(range(len(pairs)), labels)
-    ax.set_xlabel("validation images")
-    ax.set_title(f"most confused pairs ({num_classes} classes: too many for a matrix)")
-    with provenance.atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
 
 
 def read_memory(path) -> dict:
@@ -196,7 +153,7 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
 
-    batch = int(ev["batch_size"] or memory["per_gpu_batch"])
+    batch = int(ev["batch_size"] or memory["per_device_batch"])
     loader = data.loader(dataset, batch, int(memory["num_workers"]), memory.get("prefetch_factor"),
                          shuffle=False, pin_memory=device.type == "cuda")
     acc = Accumulator(len(classes), device)
@@ -215,9 +172,9 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
 
     small = len(classes) <= int(ev["max_confusion_classes"])
     if small:
-        plot_confusion(cm, classes, confusion_png)
+        plots.confusion(cm, classes, confusion_png)
     else:
-        plot_pairs(res["most_confused"], len(classes), confusion_png)
+        plots.confused_pairs(res["most_confused"], len(classes), confusion_png)
     report = {
         "cluster": cluster["name"],
         **res,

@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from PIL import Image
-from tqdm import tqdm
+from imgclf.progress import progress
 
+from imgclf import plots
 from imgclf.errors import UserError
 from imgclf.provenance import atomic_path, digest_obj, write_artifact, write_handoff
 
@@ -76,7 +77,7 @@ def decode_sample(files: list[Path], n: int, seed: int) -> dict:
     images = [f for f in files if f.suffix.lower() in IMAGE_SUFFIXES and f.stat().st_size > 0]
     sample = random.Random(seed).sample(images, min(n, len(images)))
     corrupt = []
-    for path in tqdm(sample, desc="decode sample", unit="img", leave=False):
+    for path in progress(sample, desc="decode sample", unit="img", leave=False):
         try:
             with Image.open(path) as img:
                 img.load()
@@ -123,7 +124,7 @@ def _run_lfs(args: list[str]) -> str:
 def hsm_states(files: list[Path], batch: int, parallel: int, desc="lfs hsm_state") -> dict:
     states: dict[str, set[str]] = {}
     chunks = _batches([str(f) for f in files], batch)
-    with ThreadPoolExecutor(parallel) as pool, tqdm(total=len(files), desc=desc, unit="file") as bar:
+    with ThreadPoolExecutor(parallel) as pool, progress(total=len(files), desc=desc, unit="file") as bar:
         for chunk, out in zip(chunks, pool.map(lambda c: _run_lfs(["hsm_state", *c]), chunks)):
             states.update(parse_hsm_state(out))
             bar.update(len(chunk))
@@ -153,10 +154,10 @@ def restore(files: list[str], batch: int, parallel: int, timeout_s: float, poll_
     """Ask Lustre to bring released files back from S3, then wait until none is released."""
     chunks = _batches(files, batch)
     with ThreadPoolExecutor(parallel) as pool:
-        list(tqdm(pool.map(lambda c: _run_lfs(["hsm_restore", *c]), chunks),
+        list(progress(pool.map(lambda c: _run_lfs(["hsm_restore", *c]), chunks),
                   total=len(chunks), desc="lfs hsm_restore", unit="batch"))
     pending, deadline = list(files), time.monotonic() + timeout_s
-    with tqdm(total=len(files), desc="waiting for restore", unit="file") as bar:
+    with progress(total=len(files), desc="waiting for restore", unit="file") as bar:
         while pending:
             states = hsm_states([Path(p) for p in pending], batch, parallel, desc="poll")
             still = [p for p in pending if "released" in states.get(p, set())]
@@ -193,7 +194,7 @@ def read_throughput(files: list[Path], n_files: int, max_mb: float, threads: int
             break
     start = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        total = sum(tqdm(pool.map(_read_file, chosen), total=len(chosen), desc="read sample",
+        total = sum(progress(pool.map(_read_file, chosen), total=len(chosen), desc="read sample",
                          unit="file", leave=False))
     seconds = max(time.perf_counter() - start, 1e-9)
     return {"files": len(chosen), "bytes": total, "seconds": round(seconds, 4),
@@ -297,54 +298,6 @@ def handoff_key(path) -> dict | None:
     return {k: handoff.get(k) for k in ("verdict", "census_digest")}
 
 
-def plot(report: dict, path) -> None:
-    """Files and bytes per split, HSM state (Lustre only), read throughput against its floor."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(13, 4), layout="constrained")
-    ax_files, ax_hsm, ax_read = fig.subplots(1, 3)
-    splits = report["census"]["splits"]
-    names = list(splits)
-    bars = ax_files.bar(names, [splits[s]["files"] for s in names], color="tab:blue")
-    for bar, s in zip(bars, names):
-        ax_files.annotate(f"{splits[s]['files']:,} files\n{splits[s]['bytes'] / 1e6:,.1f} MB\n"
-                          f"{splits[s]['classes']} classes",
-                          (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                          ha="center", va="top", fontsize=8, color="white")
-    ax_files.set_ylabel("files")
-    ax_files.set_title(f"census ({len(report['census']['zero_byte'])} zero-byte, "
-                       f"{len(report['decode']['corrupt'])} corrupt of "
-                       f"{report['decode']['decoded']} decoded)")
-
-    hsm = report.get("hsm")
-    if hsm:
-        states = ("released", "archived", "dirty", "no_state")
-        colors = ("tab:red", "tab:green", "tab:orange", "tab:gray")
-        ax_hsm.bar(states, [hsm[k] for k in states], color=colors)
-        ax_hsm.set_ylabel("files")
-        ax_hsm.set_title(f"Lustre HSM state: {100 * hsm['hydrated_fraction']:.2f} % hydrated")
-    else:
-        ax_hsm.text(0.5, 0.5, "not on Lustre:\nno HSM state to check", ha="center",
-                    va="center", fontsize=11, transform=ax_hsm.transAxes)
-        ax_hsm.set_axis_off()
-        ax_hsm.set_title("Lustre HSM state")
-
-    t = report["throughput"]
-    ok = t["mb_per_s"] >= t["floor_mb_per_s"]
-    ax_read.bar(["measured"], [t["mb_per_s"]], width=0.4, color="tab:green" if ok else "tab:red")
-    ax_read.set_xlim(-0.8, 0.8)
-    ax_read.axhline(t["floor_mb_per_s"], color="black", ls="--",
-                    label=f"floor {t['floor_mb_per_s']} MB/s")
-    ax_read.set_ylabel("MB/s")
-    ax_read.set_title(f"read throughput: {t['mb_per_s']} MB/s, {t['files_per_s']} files/s\n"
-                      f"({t['files']} files, {t['threads']} threads)", fontsize=10)
-    ax_read.legend(fontsize=8)
-    fig.suptitle(f"{report.get('cluster', '')} {report['root']}: verdict {report['verdict']}",
-                 fontsize=10)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-
-
 def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out, out_verdict=None,
               out_png=None) -> dict:
     """Check, then write the plot, the full report and the verdict hand-off (pass), or raise the
@@ -355,7 +308,7 @@ def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out, out_v
         raise UserError(failure_sentence(report, params, cluster))
     report["cluster"] = cluster
     if out_png:
-        plot(report, out_png)
+        plots.hydration(report, out_png)
     written = write_artifact(out, report, config_slice={"params": params, "root": str(root),
                                                          "min_read_mb_s": min_read_mb_s})
     if out_verdict:

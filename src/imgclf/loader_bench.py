@@ -4,7 +4,7 @@ Times the real training pipeline of the recipe (decode, RandomResizedCrop, flip,
 normalisation, collation, pinned memory when a GPU is present) for a grid of `num_workers` x
 `prefetch_factor` and both decode paths, measures the memory of the main process plus its
 workers, and picks the cheapest configuration within a tolerance of the best throughput whose
-RAM fits the per-device budget. Seed 002's default (PIL, 12 workers, prefetch 3) is measured
+RAM fits the per-device budget. The baseline configuration (by default PIL, 12 workers, prefetch 3, a common hand-set choice) is measured
 beside it so the gain is a measured figure, not a claim. Nothing is extrapolated: a cluster
 with more CPUs than this machine is measured with the CPUs this machine has, and says so."""
 
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import psutil
 import torch
-from tqdm import tqdm
+from imgclf.progress import progress
 
-from imgclf import data, hardware, provenance, recipes
+from imgclf import data, hardware, plots, provenance, recipes
 from imgclf.errors import UserError
 
 log = logging.getLogger(__name__)
 GB = 1e9
-CSV_FIELDS = ("decoder", "num_workers", "prefetch_factor", "role", "is_seed_default", "measured",
+CSV_FIELDS = ("decoder", "num_workers", "prefetch_factor", "role", "is_baseline", "measured",
               "images_per_s", "window_images_per_s", "batches_timed", "seconds_timed",
               "peak_bytes", "baseline_bytes", "predicted_buffer_bytes", "ram_bytes", "fits_budget",
               "chosen", "note")
@@ -121,7 +121,7 @@ def grid(loader_cfg: dict, workers: list[int]) -> list[tuple[str, int, int]]:
 
 
 def buffer_bytes(workers: int, prefetch: int, batch_bytes: int) -> int:
-    """Seed 002's RAM buffer: batches that workers hold ready (`workers x prefetch x batch`)."""
+    """RAM buffer: batches that workers hold ready (`workers x prefetch x batch`)."""
     return workers * prefetch * batch_bytes
 
 
@@ -246,8 +246,8 @@ def choose(rows: list[dict], tolerance: float, budget: float) -> dict:
 
 # --- the stage ------------------------------------------------------------------------------
 
-def benchmark(root: str, loader: dict, model: dict, hw: dict, progress: bool = True) -> dict:
-    """Measure the grid and the seed default; return the report (rows and the choice)."""
+def benchmark(root: str, loader: dict, model: dict, hw: dict, show_progress: bool = True) -> dict:
+    """Measure the grid and the baseline; return the report (rows and the choice)."""
     recipe = recipes.get(model["recipe"])
     resolution = model["resolution"]
     batch = planned_batch(loader, hw, recipe)
@@ -265,17 +265,17 @@ def benchmark(root: str, loader: dict, model: dict, hw: dict, progress: bool = T
             raise UserError(f"Data root {root} has no training images (`dataset.root`).")
     base = tree_bytes(psutil.Process(), kind)
 
-    seed_cfg = loader["seed_default"]
+    seed_cfg = loader["baseline"]
     plan = [(d, w, p, "grid") for d, w, p in grid(loader, workers)]
     seed_key = (seed_cfg["decoder"], seed_cfg["num_workers"], seed_cfg["prefetch_factor"])
-    if loader["measure_seed_default"] and seed_key not in [(d, w, p) for d, w, p, _ in plan]:
-        plan.append((*seed_key, "seed_default"))
+    if loader["measure_baseline"] and seed_key not in [(d, w, p) for d, w, p, _ in plan]:
+        plan.append((*seed_key, "baseline"))
         if seed_cfg["decoder"] not in datasets:
             datasets[seed_cfg["decoder"]] = data.train_dataset(root, seed_cfg["decoder"],
                                                                resolution, recipe)
 
     rows = []
-    bar = tqdm(plan, desc="loader grid", unit="config", disable=not progress)
+    bar = progress(plan, desc="loader grid", unit="config", disable=not show_progress)
     with torch_threads(1):
         for decoder, w, p, role in bar:
             bar.set_postfix_str(f"{decoder} w{w} p{p}")
@@ -301,7 +301,7 @@ def benchmark(root: str, loader: dict, model: dict, hw: dict, progress: bool = T
                 row["ram_bytes"] = max(row["peak_bytes"], row["baseline_bytes"] + predicted)
                 bar.set_postfix_str(f"{decoder} w{w} p{p}: {row['images_per_s']:.0f} img/s")
             row["fits_budget"] = row["ram_bytes"] <= budget
-            row["is_seed_default"] = (decoder, w, p) == seed_key
+            row["is_baseline"] = (decoder, w, p) == seed_key
             rows.append(row)
             log.info("%s w=%d p=%d: %s img/s, %s %.0f MB (predicted buffer %.0f MB)%s",
                      decoder, w, p, row["images_per_s"], kind,
@@ -314,25 +314,25 @@ def benchmark(root: str, loader: dict, model: dict, hw: dict, progress: bool = T
               "prefetch_factor": pick["row"]["prefetch_factor"],
               "images_per_s": pick["row"]["images_per_s"], "why": pick["why"]}
 
-    seed_rows = [r for r in rows if r["is_seed_default"]]
-    seed_default = {"decoder": seed_key[0], "num_workers": seed_key[1],
+    seed_rows = [r for r in rows if r["is_baseline"]]
+    baseline = {"decoder": seed_key[0], "num_workers": seed_key[1],
                     "prefetch_factor": seed_key[2], "predicted_buffer_bytes":
                     buffer_bytes(seed_key[1], seed_key[2], batch_b)}
     if seed_rows and seed_rows[0]["measured"]:
         s = seed_rows[0]
-        seed_default.update(measured=True, images_per_s=s["images_per_s"],
+        baseline.update(measured=True, images_per_s=s["images_per_s"],
                             ram_bytes=s["ram_bytes"], fits_budget=s["fits_budget"],
-                            choice_over_seed_default=round(
+                            choice_over_baseline=round(
                                 choice["images_per_s"] / s["images_per_s"], 3),
                             reason=None)
         if seed_key[1] > here["cpus"]:
-            seed_default["note"] = (f"{seed_key[1]} workers on this machine's {here['cpus']} "
+            baseline["note"] = (f"{seed_key[1]} workers on this machine's {here['cpus']} "
                                     f"CPUs: oversubscribed here")
     elif seed_rows:
-        seed_default.update(measured=False, images_per_s=None, reason=seed_rows[0]["note"])
+        baseline.update(measured=False, images_per_s=None, reason=seed_rows[0]["note"])
     else:
-        seed_default.update(measured=False, images_per_s=None,
-                            reason="not measured: `loader.measure_seed_default` is false")
+        baseline.update(measured=False, images_per_s=None,
+                            reason="not measured: `loader.measure_baseline` is false")
 
     decoders = {}
     for d in loader["decoders"]:
@@ -367,7 +367,7 @@ def benchmark(root: str, loader: dict, model: dict, hw: dict, progress: bool = T
         "cpus_per_device": cpus_device,
         "main_process_threads": 1,
         "pin_memory": pin,
-        "seed_default": seed_default,
+        "baseline": baseline,
         "decoders": decoders,
         "rss_kind": kind,
         "batch_bytes": batch_b,
@@ -390,44 +390,6 @@ def write_csv(path, rows: list[dict]) -> None:
                 str(x) for x in (r["window_images_per_s"] or []))})
 
 
-def plot(path, report: dict) -> None:
-    """Throughput per configuration (chosen and seed default marked) and RAM against budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["rows"]
-    labels = [f"{r['decoder']}\nw{r['num_workers']} p{r['prefetch_factor']}" for r in rows]
-    colors = ["tab:green" if r["chosen"] else "tab:gray" if r["role"] == "seed_default"
-              else "tab:blue" if r["decoder"] == "pil" else "tab:orange" for r in rows]
-    x = range(len(rows))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(rows) + 4), 4.5))
-    ax1.bar(x, [r["images_per_s"] or 0 for r in rows], color=colors)
-    ax1.set_xticks(list(x), labels, fontsize=7)
-    ax1.set_ylabel("images/s (median of windows)")
-    ax1.set_title(f"{report['cluster']}: batch {report['batch_size']} at {report['resolution']} px "
-                  f"(green: chosen, gray: seed default)", fontsize=9)
-    for i, r in enumerate(rows):
-        if not r["measured"]:
-            ax1.text(i, 0, "not\nmeasured", ha="center", va="bottom", fontsize=7)
-    width = 0.4
-    ax2.bar([i - width / 2 for i in x], [(r["peak_bytes"] or 0) / GB for r in rows], width,
-            label=f"measured peak ({report['rss_kind']})", color="tab:purple")
-    ax2.bar([i + width / 2 for i in x], [r["predicted_buffer_bytes"] / GB for r in rows], width,
-            label="predicted buffer (workers x prefetch x batch)", color="tab:cyan")
-    ax2.axhline(report["ram_budget_bytes_per_device"] / GB, color="red", linestyle="--",
-                label="RAM budget per device")
-    ax2.set_yscale("symlog", linthresh=0.1)
-    ax2.set_xticks(list(x), labels, fontsize=7)
-    ax2.set_ylabel("GB")
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    with provenance.atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-
-
 def run_stage(root: str, loader: dict, model: dict, hw: dict, out_json, out_csv, out_png,
               inputs=()) -> dict:
     """Benchmark, then write the CSV, the plot and the JSON (the JSON last: it marks success)."""
@@ -437,7 +399,7 @@ def run_stage(root: str, loader: dict, model: dict, hw: dict, out_json, out_csv,
     report = benchmark(root, loader, model, hw)
     log.info("choice: %s", report["choice"]["why"])
     write_csv(out_csv, report["rows"])
-    plot(out_png, report)
+    plots.loader(report, out_png)
     return provenance.write_artifact(
         out_json, report, config_slice={"root": root, "loader": loader, "model": model, "hw": hw},
         inputs=[root_input for root_input in inputs])

@@ -1,4 +1,4 @@
-"""LR range tests (torch-lr-finder) on one device at the per-GPU batch, and their aggregation.
+"""LR range tests (torch-lr-finder) on one device at the per-device batch, and their aggregation.
 
 Each run is one Snakemake job with its own seed (initialisation and data order). The summary
 takes the median in log space of the runs' suggestions, reports the spread, excludes runs
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from imgclf import data, recipes
+from imgclf import data, plots, recipes
 from imgclf.errors import UserError
 from imgclf.provenance import atomic_path, read_json, write_artifact
 
@@ -252,41 +252,6 @@ def summarize(runs: list[dict], memory: dict, cfg: dict, recipe_name: str) -> di
     }
 
 
-def plot_summary(runs: list[dict], summary: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    method = summary["method"]
-    for r in runs:
-        h = r["history"]
-        (line,) = ax.plot(h["lr"], h["smoothed_loss"], lw=1.4, label=f"run {r['run']} (seed {r['seed']})")
-        lr = r["suggestions"].get(method)
-        if lr is not None:
-            i = int(np.argmin(np.abs(np.asarray(h["lr"]) - lr)))
-            ax.plot(lr, h["smoothed_loss"][i], "o", color=line.get_color(), ms=8)
-    ax.axvline(summary["chosen_lr"], color="black", ls="--",
-               label=f"chosen {summary['chosen_lr']:.3g} (median of {summary['valid_runs']})")
-    ax.set_xscale("log")
-    finite = [x for r in runs for x in r["history"]["smoothed_loss"] if math.isfinite(x)]
-    if finite:  # keep the divergence spike from flattening the interesting part
-        lo, first = min(finite), np.median([r["history"]["smoothed_loss"][0] for r in runs])
-        ax.set_ylim(lo - 0.1 * abs(first - lo), first + 0.6 * abs(first - lo) + 1e-9)
-    ax.set_xlabel("learning rate (log scale)")
-    ax.set_ylabel("smoothed training loss")
-    ax.set_title(f"LR range tests at batch {summary['lr_finder_batch']}: dots = {method} "
-                 f"suggestions\ntraining LR {summary['training_lr']:.3g} at global batch "
-                 f"{summary['global_batch']} ({summary['scaling']} scaling)", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-
-
 def run_summary(run_paths, memory_path, cfg, recipe_name, out, plot) -> dict:
     runs = [read_json(p) for p in run_paths]
     memory = read_json(memory_path)
@@ -295,6 +260,6 @@ def run_summary(run_paths, memory_path, cfg, recipe_name, out, plot) -> dict:
              "reference %.4g", summary["chosen_lr"], summary["spread"]["max_over_min"],
              summary["training_lr"], summary["global_batch"], summary["scaling"],
              summary["reference_lr"])
-    plot_summary(runs, summary, plot)
+    plots.lr_summary(runs, summary, plot)
     return write_artifact(out, summary, config_slice={"lr_finder": cfg, "recipe": recipe_name},
                           inputs=[*run_paths, memory_path])

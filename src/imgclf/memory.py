@@ -1,6 +1,6 @@
 """The largest per-device batch that fits, and the accumulation that reaches the recipe's batch.
 
-Seed 004's memory budget, made exact where it can be: parameters, gradients and optimizer
+A memory budget made exact where it can be: parameters, gradients and optimizer
 state are counted from the real model; activation memory is the bytes of the tensors autograd
 saves for backward (`torch.autograd.graph.saved_tensors_hooks`), counted on the CPU for the real
 model at the recipe's precision; what cannot be counted there (CUDA context, cuDNN workspaces,
@@ -20,7 +20,7 @@ import gc
 import logging
 import math
 
-from imgclf import hardware, provenance
+from imgclf import hardware, plots, provenance
 from imgclf.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -381,7 +381,7 @@ def measure(step, budget: float, probes: list[int], *, round_to: int, max_batch:
     if verified is None:
         raise UserError(f"Not even a batch of 1 fits: {what} could not complete a verified step "
                         f"within the {budget / GB:.2f} GB budget (memory.safety_margin).")
-    return {"per_gpu_batch": batch, "solved_batch": solved, "fixed_bytes": fixed,
+    return {"per_device_batch": batch, "solved_batch": solved, "fixed_bytes": fixed,
             "per_sample_bytes": per_sample, "probes": {str(b): p for b, p in sorted(ok.items())},
             "too_big": sorted(too_big), "events": events, "verified": verified}
 
@@ -436,12 +436,12 @@ def solve(memory: dict, model: dict, hw: dict, loader: dict, gpu_here=None) -> d
             measured = measure_here(memory, model, hw, recipe, num_classes, estimate_batch,
                                     max_batch, what, gpu_here or cuda_device())
             method = "measured"
-            per_gpu = measured["per_gpu_batch"]
+            per_device = measured["per_device_batch"]
         else:
-            per_gpu = estimate_batch
+            per_device = estimate_batch
             warnings.append(f"estimated, not measured: no {hw['gpu_model']} GPU here; rerun "
                             f"solve_memory on a {hw['name']} node for a measured figure")
-        limited_by = "max_batch" if per_gpu == max_batch and fitting > max_batch else "gpu_memory"
+        limited_by = "max_batch" if per_device == max_batch and fitting > max_batch else "gpu_memory"
     else:
         capacity, budget = None, ram_budget_device
         target_device = math.ceil(recipe.target_global_batch / world)
@@ -457,20 +457,20 @@ def solve(memory: dict, model: dict, hw: dict, loader: dict, gpu_here=None) -> d
                             f"{total_host(1) / GB:.2f} GB per CPU rank, over the host RAM budget "
                             f"of {budget / GB:.2f} GB per rank (clusters.{hw['name']}.ram_gb x "
                             f"loader.ram_margin / devices).")
-        per_gpu = min(target_device, max_batch)
-        limited_by = "target_global_batch" if per_gpu == target_device else "max_batch"
-        if fitting < per_gpu:
-            per_gpu, limited_by = round_down(fitting, memory["round_to"]), "host_ram"
-        method, measured, estimate_batch = "estimated", None, per_gpu
+        per_device = min(target_device, max_batch)
+        limited_by = "target_global_batch" if per_device == target_device else "max_batch"
+        if fitting < per_device:
+            per_device, limited_by = round_down(fitting, memory["round_to"]), "host_ram"
+        method, measured, estimate_batch = "estimated", None, per_device
         warnings.append(f"cluster {hw['name']} has no GPU: the per-rank batch is the recipe's "
                         f"global batch {recipe.target_global_batch} split over {world} CPU "
                         f"ranks, capped by the host RAM budget; no GPU memory to fit")
-    if per_gpu < memory["round_to"]:
-        warnings.append(f"per-device batch {per_gpu} is below memory.round_to "
+    if per_device < memory["round_to"]:
+        warnings.append(f"per-device batch {per_device} is below memory.round_to "
                         f"({memory['round_to']}): batch norm statistics get noisy")
 
-    accum = accumulation(recipe.target_global_batch, per_gpu, devices, nodes)
-    global_batch = per_gpu * devices * nodes * accum
+    accum = accumulation(recipe.target_global_batch, per_device, devices, nodes)
+    global_batch = per_device * devices * nodes * accum
     if global_batch != recipe.target_global_batch:
         warnings.append(f"global batch {global_batch} differs from the recipe's target "
                         f"{recipe.target_global_batch}; the LR stage scales the LR to "
@@ -479,19 +479,19 @@ def solve(memory: dict, model: dict, hw: dict, loader: dict, gpu_here=None) -> d
     extra = (lambda b: memory["host_allowance_gb"] * GB) if gpu else \
         (lambda b: sum(parts(b).values()))
     workers, prefetch, notes = fit_loader_to_ram(
-        per_gpu, choice["num_workers"], choice["prefetch_factor"], ram_budget_device,
+        per_device, choice["num_workers"], choice["prefetch_factor"], ram_budget_device,
         resolution=res, host=host, extra=extra)
     warnings.extend(notes)
-    host_process = host_bytes(per_gpu, workers, prefetch, resolution=res, host=host,
-                              extra=extra(per_gpu))
+    host_process = host_bytes(per_device, workers, prefetch, resolution=res, host=host,
+                              extra=extra(per_device))
     if host_process > ram_budget_device:
         warnings.append(f"host RAM: {host_process / GB:.2f} GB per process exceeds the budget of "
                         f"{ram_budget_device / GB:.2f} GB even with {workers} workers")
 
-    parts_at = parts(per_gpu)
+    parts_at = parts(per_device)
     if measured:
         measured_parts = {"fixed_measured": int(measured["fixed_bytes"]),
-                          "per_sample_measured": int(measured["per_sample_bytes"] * per_gpu),
+                          "per_sample_measured": int(measured["per_sample_bytes"] * per_device),
                           "outside_allocator": int(measured["outside_allocator_bytes"]),
                           "ddp_buckets": int(measured["ddp_bucket_bytes"])}
         predicted_gpu = sum(measured_parts.values())
@@ -513,11 +513,11 @@ def solve(memory: dict, model: dict, hw: dict, loader: dict, gpu_here=None) -> d
         "accelerator": hw["accelerator"],
         "devices_per_node": devices,
         "nodes": nodes,
-        "per_gpu_batch": per_gpu,
+        "per_device_batch": per_device,
         "accumulate_grad_batches": accum,
         "global_batch": global_batch,
         "target_global_batch": recipe.target_global_batch,
-        "lr_finder_batch": per_gpu,
+        "lr_finder_batch": per_device,
         "largest_fitting_batch": fitting,
         "estimated_batch": estimate_batch,
         "limited_by": limited_by,
@@ -590,44 +590,6 @@ def recipes_param_bytes(arch: str, num_classes: int) -> int:
     return count_params(recipes.build_model(arch, num_classes))["param_bytes"]
 
 
-def plot(path, report: dict) -> None:
-    """Stacked bar of the budget at the solved batch against the capacity and its margin."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    parts = {k: v for k, v in report["breakdown"].items() if v > 0}
-    fig, ax = plt.subplots(figsize=(6.5, 5))
-    bottom = 0.0
-    cmap = plt.get_cmap("tab20")
-    for i, (name, value) in enumerate(sorted(parts.items(), key=lambda kv: -kv[1])):
-        ax.bar([0], [value / GB], bottom=bottom, color=cmap(i % 20),
-               label=f"{name} {value / GB:.2f} GB")
-        bottom += value / GB
-    if report["capacity_bytes"]:
-        ax.axhline(report["capacity_bytes"] / GB, color="black", label="GPU capacity")
-        ax.axhline(report["budget_bytes"] / GB, color="red", linestyle="--",
-                   label=f"safety margin {report['safety_margin']}")
-        unit = "GPU memory per device (GB)"
-    else:
-        ax.axhline(report["budget_bytes"] / GB, color="red", linestyle="--",
-                   label="host RAM budget per CPU rank")
-        unit = "training memory per CPU rank (GB)"
-    ax.set_xticks([0], [f"batch {report['per_gpu_batch']} x accum "
-                        f"{report['accumulate_grad_batches']}"])
-    ax.set_xlim(-0.6, 1.8)
-    ax.set_ylabel(unit)
-    m = report["model"]
-    ax.set_title(f"{report['cluster']}: {m['arch']} @ {m['resolution']} px, {m['precision']} "
-                 f"({report['method']})", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    with provenance.atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-
-
 def run_stage(memory: dict, model: dict, hw: dict, loader_json, out_json, out_png) -> dict:
     try:
         loader = provenance.read_json(loader_json)
@@ -642,8 +604,8 @@ def run_stage(memory: dict, model: dict, hw: dict, loader_json, out_json, out_pn
     for w in report["warnings"]:
         log.warning("%s", w)
     log.info("%s: per-device batch %d x %d devices x %d nodes x accumulation %d = %d (%s)",
-             hw["name"], report["per_gpu_batch"], report["devices_per_node"], report["nodes"],
+             hw["name"], report["per_device_batch"], report["devices_per_node"], report["nodes"],
              report["accumulate_grad_batches"], report["global_batch"], report["method"])
-    plot(out_png, report)
+    plots.memory(report, out_png)
     return provenance.write_artifact(out_json, report, config_slice={
         "memory": memory, "model": model, "hw": hw}, inputs=[loader_json])

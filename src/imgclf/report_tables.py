@@ -53,10 +53,10 @@ def _pct(value) -> str:
 
 
 def loader_tables(d: dict) -> list[tuple]:
-    c, s = d["choice"], d["seed_default"]
+    c, s = d["choice"], d["baseline"]
     if s.get("measured"):
         seed = (f"{s['images_per_s']:.0f} img/s ({s['decoder']}, {s['num_workers']} workers, "
-                f"prefetch {s['prefetch_factor']}); the choice is x{s['choice_over_seed_default']}")
+                f"prefetch {s['prefetch_factor']}); the choice is x{s['choice_over_baseline']}")
     else:
         seed = s.get("reason") or "not measured"
     choice = [
@@ -65,7 +65,7 @@ def loader_tables(d: dict) -> list[tuple]:
         ("batch timed", f"{d['batch_size']} at {d['resolution']} px ({d['recipe']} recipe)"),
         ("RAM budget per device", _gb(d["ram_budget_bytes_per_device"])),
         ("tolerance", f"{d['tolerance']:.0%} of the best"),
-        ("why", c["why"]), ("seed default", seed),
+        ("why", c["why"]), ("baseline", seed),
     ]
     if d.get("note"):
         choice.append(("note", d["note"]))
@@ -83,7 +83,7 @@ def memory_tables(d: dict) -> list[tuple]:
         ("method", d["method"]),
         ("model", f"{m['arch']} @ {m['resolution']} px, precision {m['precision']}, "
                   f"{m['num_classes']} classes ({d['recipe']} recipe, {d['optimizer']})"),
-        ("per-device batch", d["per_gpu_batch"]),
+        ("per-device batch", d["per_device_batch"]),
         ("devices x nodes", f"{d['devices_per_node']} x {d['nodes']} ({d['accelerator']})"),
         ("gradient accumulation", d["accumulate_grad_batches"]),
         ("global batch", f"{d['global_batch']} (recipe target {d['target_global_batch']})"),

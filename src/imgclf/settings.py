@@ -62,22 +62,25 @@ def section(params: dict, name: str, defaults: dict) -> dict:
     return {**defaults, **given}
 
 
-def module_path(module: str, workflow_dir: str | os.PathLike | None = None) -> str:
-    """Path of a package module, so rules can depend on the code they run.
+def module_files(module: str, workflow_dir: str | os.PathLike | None = None) -> list[str]:
+    """Files of a package module (`name.py`, or every .py of the sub-package `name/`), so that
+    rules can depend on the code they run.
 
     Taken from `workflow_dir`/src/imgclf when the workflow carries the package source (the
     repository: the editable install points at the same files), else from the installed
     package. Relative to the working directory when inside it, so moving or copying a run
     folder does not change the rules' inputs and rerun everything."""
-    path = Path(__file__).resolve().parent / f"{module}.py"
+    base = Path(__file__).resolve().parent
     if workflow_dir is not None:
-        local = Path(workflow_dir).resolve() / "src" / "imgclf" / f"{module}.py"
-        if local.is_file():
-            path = local
-    try:
-        return str(path.relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
+        local = Path(workflow_dir).resolve() / "src" / "imgclf"
+        if (local / f"{module}.py").is_file() or (local / module).is_dir():
+            base = local
+    if (base / module).is_dir():
+        paths = sorted((base / module).glob("*.py"))
+    else:
+        paths = [base / f"{module}.py"]
+    cwd = Path.cwd().resolve()
+    return [str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p) for p in paths]
 
 
 def data_root(config: dict, cluster_name: str) -> str:

@@ -34,7 +34,7 @@ def code(*modules):
     """Package modules that a stage runs, as its inputs: an edit reruns it and its dependents.
     They resolve in this workflow's src/imgclf (the editable install points at the same files),
     so a copy of the workflow tracks its own copy of the code."""
-    return [settings.module_path(m, workflow.basedir) for m in modules]
+    return [f for m in modules for f in settings.module_files(m, workflow.basedir)]
 
 
 def hydration_verdict(wildcards):

@@ -1,7 +1,7 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
 # that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
 rule lr_find:
-    """One LR range test on one device at the per-GPU batch of the cluster (seed = seed + run)."""
+    """One LR range test on one device at the per-device batch of the cluster (seed = seed + run)."""
     input:
         memory="results/memory/{cluster}.json",
         data=data_input,

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from imgclf import data, provenance, recipes, settings, slurm
+from imgclf import data, plots, provenance, recipes, settings, slurm
 from imgclf.errors import UserError
 
 log = logging.getLogger("imgclf.train")
@@ -59,7 +59,7 @@ LR_SOURCES = ("lr_finder", "recipe")
 # Keys that do not change what is learned: editing them keeps last.ckpt resumable.
 RESUME_NEUTRAL = ("save_top_k", "log_every_n_steps", "compile", "cudnn_benchmark",
                   "limit_val_batches")
-MEMORY_KEYS = ("per_gpu_batch", "accumulate_grad_batches", "num_workers", "prefetch_factor",
+MEMORY_KEYS = ("per_device_batch", "accumulate_grad_batches", "num_workers", "prefetch_factor",
                "decoder")
 CKPT_NAME = "epoch={epoch}-val_acc1={val/acc1:.4f}"
 
@@ -116,7 +116,7 @@ def train_digest(params: dict, t: dict, memory: dict, lr: dict, recipe: recipes.
         "recipe": recipe.as_dict(),
         "train": {k: v for k, v in t.items() if k not in RESUME_NEUTRAL},
         "world": [c["accelerator"], c["devices_per_node"], c["nodes"]],
-        "memory": {k: memory[k] for k in ("per_gpu_batch", "accumulate_grad_batches", "decoder")},
+        "memory": {k: memory[k] for k in ("per_device_batch", "accumulate_grad_batches", "decoder")},
         "lr": [lr["source"], lr["value"]],
     })
 
@@ -471,51 +471,6 @@ def merge_metrics(csv_root: Path):
     return pd.concat(frames, ignore_index=True)
 
 
-def per_epoch(df, column: str):
-    if column not in df:
-        return None
-    s = df.dropna(subset=[column]).groupby("epoch")[column].last()
-    return s if len(s) else None
-
-
-def plot_curves(df, steps_per_epoch: int, path) -> None:
-    """Loss, top-1 and LR against epoch (Agg canvas: never opens a window)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(14, 4), layout="constrained")
-    ax_loss, ax_acc, ax_lr = fig.subplots(1, 3)
-    for col, label in (("train/loss_epoch", "train (recipe loss)"),
-                       ("val/loss", "val (cross-entropy)")):
-        s = per_epoch(df, col)
-        if s is not None:
-            ax_loss.plot(s.index, s.values, marker="o", ms=3, label=label)
-    for col, label in (("train/acc1_epoch", "train (unmixed batches)"), ("val/acc1", "val")):
-        s = per_epoch(df, col)
-        if s is not None:
-            ax_acc.plot(s.index, 100 * s.values, marker="o", ms=3, label=label)
-    if "train/lr" in df:
-        lr = df.dropna(subset=["train/lr"])
-        ax_lr.plot(lr["step"] / steps_per_epoch, lr["train/lr"])
-    best = per_epoch(df, "val/acc1")
-    if best is not None:
-        ax_acc.axhline(100 * best.max(), color="grey", lw=0.8, ls="--")
-        ax_acc.set_title(f"top-1 (best val {100 * best.max():.2f} % at epoch {best.idxmax()})")
-    else:
-        ax_acc.set_title("top-1")
-    ax_loss.set_title("loss")
-    if ax_loss.get_lines():
-        ax_loss.set_yscale("log")
-    ax_lr.set_title("learning rate (per optimizer step)")
-    for ax, ylabel in ((ax_loss, "loss"), (ax_acc, "accuracy (%)"), (ax_lr, "LR")):
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    with provenance.atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-
-
 def copy_atomic(src, dst) -> None:
     with provenance.atomic_path(dst) as tmp:
         shutil.copyfile(src, tmp)
@@ -541,13 +496,13 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
     check_hardware(cluster, precision)
 
     world = int(cluster["devices_per_node"]) * int(cluster["nodes"])
-    per_gpu, accum = int(memory["per_gpu_batch"]), int(memory["accumulate_grad_batches"])
-    global_batch = per_gpu * world * accum
+    per_device, accum = int(memory["per_device_batch"]), int(memory["accumulate_grad_batches"])
+    global_batch = per_device * world * accum
     lr = resolve_lr(t["lr_source"], lr_summary_path, recipe, global_batch)
     planned = memory.get("global_batch")
     if planned is not None and int(planned) != global_batch:
-        log.warning("global batch %d (per-GPU %d x %d ranks x %d accumulation) differs from the "
-                    "memory solve's %s", global_batch, per_gpu, world, accum, planned)
+        log.warning("global batch %d (per-device %d x %d ranks x %d accumulation) differs from the "
+                    "memory solve's %s", global_batch, per_device, world, accum, planned)
     epochs = int(t["epochs"] or recipe.epochs)
     warmup = min(recipe.warmup_epochs, max(epochs - 1, 0))
     digest = train_digest(params, t, memory, lr, recipe)
@@ -570,7 +525,7 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
                              channels_last=bool(model_cfg.get("channels_last")),
                              compile=bool(t["compile"]), train_digest=digest)
     datamodule = ImageData(params["data_root"], memory["decoder"], int(model_cfg["resolution"]),
-                           recipe.name, per_gpu, int(memory["num_workers"]),
+                           recipe.name, per_device, int(memory["num_workers"]),
                            memory.get("prefetch_factor"), pin_memory=gpu, seed=t["seed"])
 
     from lightning.pytorch.loggers import CSVLogger
@@ -615,7 +570,7 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
         metrics.to_csv(tmp, index=False)
     total_steps = int(trainer.estimated_stepping_batches)
     steps_per_epoch = max(1, total_steps // epochs)
-    plot_curves(metrics, steps_per_epoch, out_dir / "curves.png")
+    plots.train_curves(metrics, steps_per_epoch, out_dir / "curves.png")
 
     best_path = checkpoint.best_model_path
     if not best_path or not Path(best_path).is_file():
@@ -624,8 +579,8 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
                                 weights_only=True)["epoch"])
     copy_atomic(best_path, out_dir / "best.ckpt")
 
-    val = per_epoch(metrics, "val/acc1")
-    last = {k: (None if per_epoch(metrics, c) is None else float(per_epoch(metrics, c).iloc[-1]))
+    val = plots.per_epoch(metrics, "val/acc1")
+    last = {k: (None if plots.per_epoch(metrics, c) is None else float(plots.per_epoch(metrics, c).iloc[-1]))
             for k, c in (("val_acc1", "val/acc1"), ("val_acc5", "val/acc5"),
                          ("val_loss", "val/loss"))}
     ep = throughput.epochs
@@ -660,7 +615,7 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
         "compile": bool(t["compile"]),
         "cudnn_benchmark": bool(t["cudnn_benchmark"]) and gpu,
         "deterministic": bool(t["deterministic"]),
-        "per_gpu_batch": per_gpu,
+        "per_device_batch": per_device,
         "accumulate_grad_batches": accum,
         "global_batch": global_batch,
         "global_batch_planned": planned,

@@ -1,0 +1,260 @@
+"""Every figure the pipeline writes, one function per stage.
+
+All of them draw on matplotlib's object API (`Figure`, rendered by the Agg canvas), never on
+pyplot: no global backend is switched, no window can open on a login node, and a plot made in
+a worker thread or inside Lightning cannot disturb another. Each file is written atomically."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from imgclf.provenance import atomic_path
+
+GB = 1e9
+
+
+def save(fig: Figure, path, dpi: int = 100) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
+
+
+# --- hydration check ---------------------------------------------------------------------------
+
+def hydration(report: dict, path) -> None:
+    """Files and bytes per split, HSM state (Lustre only), read throughput against its floor."""
+    fig = Figure(figsize=(13, 4), layout="constrained")
+    ax_files, ax_hsm, ax_read = fig.subplots(1, 3)
+    _census_bars(ax_files, report)
+    _hsm_bars(ax_hsm, report.get("hsm"))
+    _read_bar(ax_read, report["throughput"])
+    fig.suptitle(f"{report.get('cluster', '')} {report['root']}: verdict {report['verdict']}",
+                 fontsize=10)
+    save(fig, path)
+
+
+def _census_bars(ax, report: dict) -> None:
+    splits = report["census"]["splits"]
+    names = list(splits)
+    bars = ax.bar(names, [splits[s]["files"] for s in names], color="tab:blue")
+    for bar, s in zip(bars, names):
+        ax.annotate(f"{splits[s]['files']:,} files\n{splits[s]['bytes'] / 1e6:,.1f} MB\n"
+                    f"{splits[s]['classes']} classes",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="top", fontsize=8, color="white")
+    ax.set_ylabel("files")
+    ax.set_title(f"census ({len(report['census']['zero_byte'])} zero-byte, "
+                 f"{len(report['decode']['corrupt'])} corrupt of "
+                 f"{report['decode']['decoded']} decoded)")
+
+
+def _hsm_bars(ax, hsm: dict | None) -> None:
+    if hsm:
+        states = ("released", "archived", "dirty", "no_state")
+        colors = ("tab:red", "tab:green", "tab:orange", "tab:gray")
+        ax.bar(states, [hsm[k] for k in states], color=colors)
+        ax.set_ylabel("files")
+        ax.set_title(f"Lustre HSM state: {100 * hsm['hydrated_fraction']:.2f} % hydrated")
+        return
+    ax.text(0.5, 0.5, "not on Lustre:\nno HSM state to check", ha="center", va="center",
+            fontsize=11, transform=ax.transAxes)
+    ax.set_axis_off()
+    ax.set_title("Lustre HSM state")
+
+
+def _read_bar(ax, t: dict) -> None:
+    ok = t["mb_per_s"] >= t["floor_mb_per_s"]
+    ax.bar(["measured"], [t["mb_per_s"]], width=0.4, color="tab:green" if ok else "tab:red")
+    ax.set_xlim(-0.8, 0.8)
+    ax.axhline(t["floor_mb_per_s"], color="black", ls="--",
+               label=f"floor {t['floor_mb_per_s']} MB/s")
+    ax.set_ylabel("MB/s")
+    ax.set_title(f"read throughput: {t['mb_per_s']} MB/s, {t['files_per_s']} files/s\n"
+                 f"({t['files']} files, {t['threads']} threads)", fontsize=10)
+    ax.legend(fontsize=8)
+
+
+# --- loader benchmark --------------------------------------------------------------------------
+
+def loader(report: dict, path) -> None:
+    """Throughput per configuration (chosen and baseline marked) and RAM against budget."""
+    rows = report["rows"]
+    labels = [f"{r['decoder']}\nw{r['num_workers']} p{r['prefetch_factor']}" for r in rows]
+    colors = ["tab:green" if r["chosen"] else "tab:gray" if r["role"] == "baseline"
+              else "tab:blue" if r["decoder"] == "pil" else "tab:orange" for r in rows]
+    x = list(range(len(rows)))
+    fig = Figure(figsize=(max(8, 1.1 * len(rows) + 4), 4.5), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.bar(x, [r["images_per_s"] or 0 for r in rows], color=colors)
+    ax1.set_xticks(x, labels, fontsize=7)
+    ax1.set_ylabel("images/s (median of windows)")
+    ax1.set_title(f"{report['cluster']}: batch {report['batch_size']} at {report['resolution']} px "
+                  f"(green: chosen, gray: baseline)", fontsize=9)
+    for i, r in enumerate(rows):
+        if not r["measured"]:
+            ax1.text(i, 0, "not\nmeasured", ha="center", va="bottom", fontsize=7)
+    width = 0.4
+    ax2.bar([i - width / 2 for i in x], [(r["peak_bytes"] or 0) / GB for r in rows], width,
+            label=f"measured peak ({report['rss_kind']})", color="tab:purple")
+    ax2.bar([i + width / 2 for i in x], [r["predicted_buffer_bytes"] / GB for r in rows], width,
+            label="predicted buffer (workers x prefetch x batch)", color="tab:cyan")
+    ax2.axhline(report["ram_budget_bytes_per_device"] / GB, color="red", linestyle="--",
+                label="RAM budget per device")
+    ax2.set_yscale("symlog", linthresh=0.1)
+    ax2.set_xticks(x, labels, fontsize=7)
+    ax2.set_ylabel("GB")
+    ax2.legend(fontsize=7)
+    save(fig, path, dpi=110)
+
+
+# --- memory solve ------------------------------------------------------------------------------
+
+def memory(report: dict, path) -> None:
+    """Stacked bar of the budget at the solved batch against the capacity and its margin."""
+    import matplotlib
+
+    parts = {k: v for k, v in report["breakdown"].items() if v > 0}
+    fig = Figure(figsize=(6.5, 5), layout="constrained")
+    ax = fig.subplots()
+    cmap = matplotlib.colormaps["tab20"]
+    bottom = 0.0
+    for i, (name, value) in enumerate(sorted(parts.items(), key=lambda kv: -kv[1])):
+        ax.bar([0], [value / GB], bottom=bottom, color=cmap(i % 20),
+               label=f"{name} {value / GB:.2f} GB")
+        bottom += value / GB
+    if report["capacity_bytes"]:
+        ax.axhline(report["capacity_bytes"] / GB, color="black", label="GPU capacity")
+        ax.axhline(report["budget_bytes"] / GB, color="red", linestyle="--",
+                   label=f"safety margin {report['safety_margin']}")
+        unit = "GPU memory per device (GB)"
+    else:
+        ax.axhline(report["budget_bytes"] / GB, color="red", linestyle="--",
+                   label="host RAM budget per CPU rank")
+        unit = "training memory per CPU rank (GB)"
+    ax.set_xticks([0], [f"batch {report['per_device_batch']} x accum "
+                        f"{report['accumulate_grad_batches']}"])
+    ax.set_xlim(-0.6, 1.8)
+    ax.set_ylabel(unit)
+    m = report["model"]
+    ax.set_title(f"{report['cluster']}: {m['arch']} @ {m['resolution']} px, {m['precision']} "
+                 f"({report['method']})", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    save(fig, path, dpi=110)
+
+
+# --- LR finder ---------------------------------------------------------------------------------
+
+def lr_summary(runs: list[dict], summary: dict, path) -> None:
+    """Every run's smoothed loss against the LR, its suggestion, and the chosen LR."""
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.subplots()
+    method = summary["method"]
+    suggested = {p["run"]: p["suggestions"].get(method) for p in summary["runs"]}
+    for r in runs:
+        h = r["history"]
+        (line,) = ax.plot(h["lr"], h["smoothed_loss"], lw=1.4,
+                          label=f"run {r['run']} (seed {r['seed']})")
+        lr = suggested.get(r["run"])
+        if lr is not None:
+            i = int(np.argmin(np.abs(np.asarray(h["lr"]) - lr)))
+            ax.plot(lr, h["smoothed_loss"][i], "o", color=line.get_color(), ms=8)
+    ax.axvline(summary["chosen_lr"], color="black", ls="--",
+               label=f"chosen {summary['chosen_lr']:.3g} (median of {summary['valid_runs']})")
+    ax.set_xscale("log")
+    finite = [x for r in runs for x in r["history"]["smoothed_loss"] if math.isfinite(x)]
+    if finite:  # keep the divergence spike from flattening the interesting part
+        lo, first = min(finite), np.median([r["history"]["smoothed_loss"][0] for r in runs])
+        ax.set_ylim(lo - 0.1 * abs(first - lo), first + 0.6 * abs(first - lo) + 1e-9)
+    ax.set_xlabel("learning rate (log scale)")
+    ax.set_ylabel("smoothed training loss")
+    ax.set_title(f"LR range tests at batch {summary['lr_finder_batch']}: dots = {method} "
+                 f"suggestions\ntraining LR {summary['training_lr']:.3g} at global batch "
+                 f"{summary['global_batch']} ({summary['scaling']} scaling)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    save(fig, path, dpi=110)
+
+
+# --- training ----------------------------------------------------------------------------------
+
+def per_epoch(df, column: str):
+    """The last logged value of `column` in each epoch (None when it was never logged)."""
+    if column not in df:
+        return None
+    s = df.dropna(subset=[column]).groupby("epoch")[column].last()
+    return s if len(s) else None
+
+
+def train_curves(df, steps_per_epoch: int, path) -> None:
+    """Loss, top-1 and LR against epoch."""
+    fig = Figure(figsize=(14, 4), layout="constrained")
+    ax_loss, ax_acc, ax_lr = fig.subplots(1, 3)
+    for col, label in (("train/loss_epoch", "train (recipe loss)"),
+                       ("val/loss", "val (cross-entropy)")):
+        s = per_epoch(df, col)
+        if s is not None:
+            ax_loss.plot(s.index, s.values, marker="o", ms=3, label=label)
+    for col, label in (("train/acc1_epoch", "train (unmixed batches)"), ("val/acc1", "val")):
+        s = per_epoch(df, col)
+        if s is not None:
+            ax_acc.plot(s.index, 100 * s.values, marker="o", ms=3, label=label)
+    if "train/lr" in df:
+        lr = df.dropna(subset=["train/lr"])
+        ax_lr.plot(lr["step"] / steps_per_epoch, lr["train/lr"])
+    best = per_epoch(df, "val/acc1")
+    ax_acc.set_title("top-1")
+    if best is not None:
+        ax_acc.axhline(100 * best.max(), color="grey", lw=0.8, ls="--")
+        ax_acc.set_title(f"top-1 (best val {100 * best.max():.2f} % at epoch {best.idxmax()})")
+    ax_loss.set_title("loss")
+    if ax_loss.get_lines():
+        ax_loss.set_yscale("log")
+    ax_lr.set_title("learning rate (per optimizer step)")
+    for ax, ylabel in ((ax_loss, "loss"), (ax_acc, "accuracy (%)"), (ax_lr, "LR")):
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    save(fig, path)
+
+
+# --- evaluation --------------------------------------------------------------------------------
+
+def confusion(cm, classes: list[str], path) -> None:
+    """Row-normalised confusion matrix (rows: true class), counts written in small matrices."""
+    n = len(classes)
+    size = min(4 + 0.35 * n, 24)
+    fig = Figure(figsize=(size + 1.5, size), layout="constrained")
+    ax = fig.subplots()
+    norm = cm.double() / cm.sum(1, keepdim=True).clamp(min=1)
+    im = ax.imshow(norm.numpy(), cmap="Blues", vmin=0, vmax=1)
+    fig.colorbar(im, ax=ax, label="fraction of the true class")
+    if n <= 40:
+        ax.set_xticks(range(n), classes, rotation=90)
+        ax.set_yticks(range(n), classes)
+    if n <= 20:
+        for t in range(n):
+            for p in range(n):
+                if cm[t, p]:
+                    ax.text(p, t, int(cm[t, p]), ha="center", va="center", fontsize=8,
+                            color="white" if norm[t, p] > 0.5 else "black")
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(f"confusion matrix ({int(cm.sum())} images, top-1 "
+                 f"{100 * float(cm.diag().sum() / cm.sum().clamp(min=1)):.2f} %)")
+    save(fig, path)
+
+
+def confused_pairs(pairs: list[dict], num_classes: int, path) -> None:
+    """Too many classes for a matrix: the most confused (true -> predicted) pairs as bars."""
+    fig = Figure(figsize=(9, 1.5 + 0.3 * max(len(pairs), 1)), layout="constrained")
+    ax = fig.subplots()
+    labels = [f"{p['true']} -> {p['predicted']}" for p in pairs][::-1]
+    ax.barh(range(len(pairs)), [p["count"] for p in pairs][::-1])
+    ax.set_yticks(range(len(pairs)), labels)
+    ax.set_xlabel("validation images")
+    ax.set_title(f"most confused pairs ({num_classes} classes: too many for a matrix)")
+    save(fig, path)

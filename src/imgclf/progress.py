@@ -1,0 +1,37 @@
+"""Progress of long work: a live bar on a terminal, a plain line now and then in a log file.
+
+A tqdm bar redraws itself with carriage returns; in a Snakemake or Slurm log file every redraw
+stays as noise. So the bar is drawn only when stderr is a terminal; otherwise the same figures
+(count, percentage, rate, time left) are logged as one ordinary line every `PLAIN_EVERY_S`
+seconds, and once at the end."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+
+from tqdm import tqdm
+
+PLAIN_EVERY_S = 30.0
+PLAIN_FORMAT = "{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:.0f} %), {rate_fmt}, " \
+               "{elapsed} elapsed, {remaining} left"
+log = logging.getLogger("imgclf.progress")
+
+
+class _LogLines(tqdm):
+    """tqdm's bookkeeping and formatting, written as log lines instead of a redrawn bar."""
+
+    def display(self, msg=None, pos=None):
+        if msg != "":  # tqdm passes "" when it clears a bar that does not stay
+            log.info("%s", self)
+        return True
+
+
+def progress(iterable=None, *, every_s: float = PLAIN_EVERY_S, **kwargs) -> tqdm:
+    """`tqdm(iterable, **kwargs)` on a terminal, else a tqdm that logs a line every `every_s`."""
+    if sys.stderr.isatty():
+        return tqdm(iterable, **kwargs)
+    kwargs.pop("leave", None)
+    return _LogLines(iterable, file=io.StringIO(), mininterval=every_s, leave=True,
+                     bar_format=PLAIN_FORMAT, **kwargs)
