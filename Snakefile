@@ -2,8 +2,7 @@
 # LR finder runs -> LR summary -> DDP training -> evaluation. See README.md.
 import sys
 
-from snakemake.exceptions import WorkflowError
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 from imgclf import settings
 from imgclf.errors import UserError
@@ -14,12 +13,10 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-# A config mistake stops here with one sentence naming the key, not a traceback.
+# A config mistake stops here with one sentence naming the key, not a traceback. Validation
+# also fills in the defaults, which live in the schema (workflow/schemas/config.schema.yaml).
 try:
-    validate(config, "workflow/schemas/config.schema.yaml")
-    settings.checked(config)
-except WorkflowError as e:
-    sys.exit(settings.describe_validation_error(e.__context__))
+    settings.checked(settings.validate(config))
 except UserError as e:
     sys.exit(str(e))
 

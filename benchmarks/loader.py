@@ -1,4 +1,4 @@
-"""Loader benchmark on an ImageNet-like JPEG set: seed 002's default against the rule's choice.
+"""Loader benchmark on an ImageNet-like JPEG set: the baseline against the rule's choice.
 
 Generates (once, into benchmarks/data/, git-ignored) a few thousand JPEGs of about 500x375 at
 quality 90 in several classes; nothing is downloaded. Then runs the benchmark_loader stage's
@@ -103,8 +103,9 @@ def main(argv=None) -> int:
 
     # side by side: the two configurations re-timed alternately, medians of the repeats
     recipe = recipes.get(args.recipe)
-    seed = report["baseline"]
-    pair = {"baseline": (seed["decoder"], seed["num_workers"], seed["prefetch_factor"]),
+    baseline = report["baseline"]
+    pair = {"baseline": (baseline["decoder"], baseline["num_workers"],
+                         baseline["prefetch_factor"]),
             "rule's choice": (report["choice"]["decoder"], report["choice"]["num_workers"],
                               report["choice"]["prefetch_factor"])}
     figures = {name: [] for name in pair}

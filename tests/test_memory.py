@@ -1,5 +1,7 @@
 """solve_memory: the real rule on the demo data, the estimator against hand counts, the
-p3 < g5 < p4 ordering for ResNet-50, accumulation, the OOM back-off and the failure sentence."""
+p3 < g5 < p4 ordering for ResNet-50, accumulation, the OOM back-off, the failure sentence and
+when the rule asks for a GPU (with the GPUs "here" pinned, so the outcome is the same on any
+machine)."""
 
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ import torch
 from torch import nn
 
 from conftest import BIN
-from imgclf import memory, settings
+from imgclf import hardware, memory, settings
 from imgclf.errors import UserError
+from imgclf.plan import Plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # bf16-mixed: the same 2-byte activations as 16-mixed (the linear-stack test checks that both
 # count alike), and float16 convolutions on a CPU without AVX512-FP16 take ~10x longer
 RESNET50_AMP = {"arch": "resnet50", "recipe": "torchvision_v2", "resolution": 224,
                 "precision": "bf16-mixed", "channels_last": True}
+# what nvidia-smi reports on a g5 node (23028 MiB)
+A10G_HERE = [{"name": "NVIDIA A10G", "memory_gb": 22.5}]
 
 
 def loader_report(cluster: str, num_classes: int = 1000, workers: int = 8, prefetch: int = 2,
@@ -44,7 +49,11 @@ def test_rule_on_demo_data_solves_the_cpu_cluster(through_memory):
     # CPU-only: the recipe's global batch (128) over 2 ranks, well inside the host RAM budget
     assert report["per_device_batch"] == 64 and report["limited_by"] == "target_global_batch"
     assert report["accumulate_grad_batches"] == 1 and report["global_batch"] == 128
-    assert report["lr_finder_batch"] == report["per_device_batch"]
+    # the later stages read it as a plan: the same batch, accumulation and loader
+    plan = Plan.read(through_memory / "results/memory/local.json", "local")
+    assert (plan.per_device_batch, plan.global_batch, plan.world_size) == (64, 128, 2)
+    assert (plan.num_workers, plan.decoder) == (report["num_workers"], report["decoder"])
+    assert "lr_finder_batch" not in report  # the LR finder runs at the per-device batch
     assert report["decoder"] == loader["choice"]["decoder"]
     assert report["num_workers"] <= loader["choice"]["num_workers"]
     assert report["predicted_gpu_bytes"] is None
@@ -84,7 +93,8 @@ def test_activation_count_of_a_linear_stack_matches_the_hand_count():
     assert fp16["bytes_by_dtype"] == {"float16": prof["bytes_by_dtype"]["bfloat16"]}
 
 
-def test_resnet50_amp_batch_grows_with_gpu_memory_p3_g5_p4():
+def test_resnet50_amp_batch_grows_with_gpu_memory_p3_g5_p4(monkeypatch):
+    monkeypatch.setattr(hardware, "detect_gpus", lambda: [])  # no GPU here: all estimated
     config = settings.load()
     results = {}
     for name in ("p3", "g5", "p4"):
@@ -100,7 +110,6 @@ def test_resnet50_amp_batch_grows_with_gpu_memory_p3_g5_p4():
             1024 / (r["per_device_batch"] * hw["gpus_per_node"] * hw["nodes"]))
         assert r["global_batch"] == r["per_device_batch"] * hw["gpus_per_node"] * hw["nodes"] * \
             r["accumulate_grad_batches"]
-        assert r["lr_finder_batch"] == r["per_device_batch"]
         assert r["breakdown"]["optimizer_state"] == r["model"]["params"] * 4
         # the next multiple of 8 would not fit under the margin
         over = memory.breakdown(r["per_device_batch"] + 8, memory.model_profile(
@@ -220,15 +229,22 @@ def test_cli_failure_when_nothing_fits_is_one_sentence_without_traceback(through
     assert not (tmp_path / "mem.json").exists()
 
 
-def test_gpu_is_requested_only_when_measuring():
+@pytest.mark.parametrize("gpus_here", [[], A10G_HERE], ids=["no GPU here", "an A10G here"])
+def test_gpu_is_requested_only_when_measuring(monkeypatch, gpus_here):
+    monkeypatch.setattr(hardware, "detect_gpus", lambda: gpus_here)
     config = settings.load()
     mem = config["memory"]
-    assert memory.plans_measurement(mem, settings.cluster(config, "local")) is False or \
-        settings.cluster(config, "local")["accelerator"] == "gpu"
-    assert memory.plans_measurement(mem | {"mode": "estimate"}, settings.cluster(config, "g5")) \
-        is False
-    if not memory.hardware.detect_gpus():  # no GPU here: nothing to measure on
-        assert memory.plans_measurement(mem, settings.cluster(config, "g5")) is False
+    a10g = bool(gpus_here)
+    local = hardware.resolve_cluster("local", config["clusters"])  # `auto`: whatever is here
+    g5, p3 = settings.cluster(config, "g5"), settings.cluster(config, "p3")
+    assert local["accelerator"] == ("gpu" if a10g else "cpu")
+    # mode auto: measure exactly when the cluster's GPU model is here
+    assert memory.plans_measurement(mem, local) is a10g
+    assert memory.plans_measurement(mem, g5) is a10g
+    assert memory.plans_measurement(mem, p3) is False  # an A10G does not stand in for a V100
+    assert memory.plans_measurement(mem | {"mode": "measure"}, p3) is a10g  # any GPU will do
+    assert memory.plans_measurement(mem | {"mode": "estimate"}, g5) is False
+    assert memory.gpus_to_request(mem, g5, on_slurm=False) == int(a10g)
 
 
 def test_measured_mode_runs_the_probe_search_on_the_device_given():
@@ -251,21 +267,24 @@ def test_measured_mode_runs_the_probe_search_on_the_device_given():
     assert r["accumulate_grad_batches"] == math.ceil(1024 / (4 * r["per_device_batch"]))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPU")
-def test_measure_mode_without_a_gpu_is_one_sentence():
+def test_measure_mode_without_a_gpu_is_one_sentence(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # torch sees no GPU here
     config = settings.load()
     with pytest.raises(UserError, match=r"^`memory.mode: measure` needs a GPU .*\.$"):
         memory.solve(config["memory"] | {"mode": "measure"}, RESNET50_AMP,
                      settings.cluster(config, "g5"), loader_report("g5"))
 
 
-def test_gpu_request_under_slurm_does_not_depend_on_the_login_node():
-    """Submitting to Slurm, the solve asks for a GPU whenever it may measure there."""
+@pytest.mark.parametrize("gpus_here", [[], A10G_HERE], ids=["no GPU here", "an A10G here"])
+def test_gpu_request_under_slurm_does_not_depend_on_the_login_node(monkeypatch, gpus_here):
+    """Submitting to Slurm, the solve asks for a GPU whenever it may measure there, whatever
+    the machine Snakemake runs on has; running locally, only when the cluster's GPU is here."""
     from imgclf.memory import gpus_to_request
 
+    monkeypatch.setattr(hardware, "detect_gpus", lambda: gpus_here)
     gpu_entry = {"accelerator": "gpu", "gpu_model": "A10G", "gpu_memory_gb": 24}
     cpu_entry = {"accelerator": "cpu"}
     assert gpus_to_request({"mode": "auto"}, gpu_entry, on_slurm=True) == 1
     assert gpus_to_request({"mode": "estimate"}, gpu_entry, on_slurm=True) == 0
     assert gpus_to_request({"mode": "auto"}, cpu_entry, on_slurm=True) == 0
-    assert gpus_to_request({"mode": "auto"}, gpu_entry, on_slurm=False) == 0  # no A10G here
+    assert gpus_to_request({"mode": "auto"}, gpu_entry, on_slurm=False) == int(bool(gpus_here))

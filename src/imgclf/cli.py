@@ -155,10 +155,10 @@ def cmd_lr_find(args):
     runs = args.runs or config["lr_finder"]["runs"]
     for run in range(runs):
         out = f"{args.out_dir or f'results/lr/{name}'}/run{run}.json"
-        result = lr_find.run_find(**p, memory_path=memory, run=run, out=out,
+        result = lr_find.run_find(**p, memory_path=memory, run=run, out=out, cluster=name,
                                   batch_size=args.batch_size)
-        print(f"{out}: steepest {result['suggestions']['steepest']}, "
-              f"valley {result['suggestions']['valley']}, {result['wall_time_s']} s")
+        print(f"{out}: {result['iterations']} iterations, diverged: {result['diverged']}, "
+              f"{result['wall_time_s']} s")
 
 
 def cmd_lr_summary(args):
@@ -176,7 +176,8 @@ def cmd_lr_summary(args):
         raise UserError(f"No LR-finder runs in {folder}: run `imgclf lr-find --cluster {name}` first.")
     memory = _upstream(args.memory or f"results/memory/{name}.json", f"results/memory/{name}.json")
     summary = lr_find.run_summary(runs, memory, **settings.lr_summary_params(config, name),
-                                  out=f"{folder}_summary.json", plot=f"{folder}.png")
+                                  out=f"{folder}_summary.json", plot=f"{folder}.png",
+                                  cluster=name)
     print(f"chosen LR {summary['chosen_lr']:.4g} (spread x{summary['spread']['max_over_min']:.2f}"
           f" over {summary['valid_runs']} runs); training LR {summary['training_lr']:.4g} at "
           f"global batch {summary['global_batch']} ({summary['scaling']}); recipe reference "
@@ -193,7 +194,16 @@ def cmd_provenance(args):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imgclf", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _data_commands(sub)
+    _lr_commands(sub)
+    _ddp_commands(sub)
+    p = sub.add_parser("provenance", help="print the provenance of result JSON files")
+    p.add_argument("files", nargs="+")
+    p.set_defaults(fn=cmd_provenance)
+    return parser
 
+
+def _data_commands(sub) -> None:
     p = sub.add_parser("demo-data", help="build the bundled demo data set (digits ImageFolder)")
     _common(p, cluster=False)
     p.add_argument("--out", default=None, help=f"output folder (default {settings.DEMO_ROOT})")
@@ -223,11 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output prefix for .json/.png (default results/memory/CLUSTER)")
     p.set_defaults(fn=cmd_solve_memory)
 
+
+def _lr_commands(sub) -> None:
     p = sub.add_parser("lr-find", help="repeated single-device LR range tests (torch-lr-finder)")
     _common(p)
     p.add_argument("--runs", type=int, default=None, help="number of runs (default lr_finder.runs)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="override the per-device batch from the memory solve (e.g. after an OOM)")
+                   help="override the per-device batch of the memory solve (e.g. after an OOM)")
     p.add_argument("--memory", default=None, help="memory solve (default results/memory/CLUSTER.json)")
     p.add_argument("--out-dir", default=None, help="folder of runN.json (default results/lr/CLUSTER)")
     p.set_defaults(fn=cmd_lr_find)
@@ -240,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs_json", nargs="*", help="run JSON files (default: every FOLDER/run*.json)")
     p.set_defaults(fn=cmd_lr_summary)
 
+
+def _ddp_commands(sub) -> None:
     p = sub.add_parser("train", help="DDP training (Lightning), resumes from last.ckpt")
     _ddp_common(p, "train")
     p.add_argument("--lr-summary", default=None,
@@ -255,11 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confusion", default=None,
                    help="confusion PNG (default results/eval/CLUSTER_confusion.png)")
     p.set_defaults(fn=cmd_evaluate)
-
-    p = sub.add_parser("provenance", help="print the provenance of result JSON files")
-    p.add_argument("files", nargs="+")
-    p.set_defaults(fn=cmd_provenance)
-    return parser
 
 
 def main(argv=None):

@@ -14,22 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from imgclf import data, plots, provenance, recipes, settings
+from imgclf.plan import Plan
 from imgclf.errors import UserError
 
 log = logging.getLogger("imgclf.evaluate")
-
-# `evaluate:` config keys and their defaults.
-DEFAULTS = {
-    "batch_size": None,             # None: the per-device batch of the memory solve
-    "max_confusion_classes": 100,   # above this, plot the most confused pairs, not the matrix
-    "top_confused": 20,             # how many confused (true, predicted) pairs to list and plot
-}
-MEMORY_KEYS = ("per_device_batch", "num_workers", "prefetch_factor", "decoder")
-
-
-def evaluate_settings(params: dict) -> dict:
-    return settings.section(params, "evaluate", DEFAULTS)
-
 
 class Accumulator:
     """Top-1, top-5, mean cross-entropy and the confusion matrix over batches (torchmetrics)."""
@@ -89,11 +77,6 @@ def most_confused(cm: torch.Tensor, classes: list[str], n: int) -> list[dict]:
     return out
 
 
-def read_memory(path) -> dict:
-    return provenance.read_upstream(path, MEMORY_KEYS, "Memory solve",
-                                    f"run the solve_memory rule (`snakemake {path}`) first")
-
-
 def load_checkpoint(path) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -118,45 +101,33 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
-    """Evaluate `checkpoint` on the val split; write the report JSON and the confusion PNG."""
-    t0 = time.perf_counter()
-    ev = evaluate_settings(params)
-    model_cfg, cluster = params["model"], params["cluster"]
-    memory = read_memory(memory_path)
-    ckpt = load_checkpoint(checkpoint)
+def pick_device(cluster: dict) -> torch.device:
+    if cluster["accelerator"] == "gpu" and torch.cuda.is_available():
+        return torch.device("cuda")
+    if cluster["accelerator"] == "gpu":
+        log.warning("cluster %s has GPUs but this machine has none: evaluating on the CPU",
+                    cluster["name"])
+    return torch.device("cpu")
+
+
+def load_model(ckpt: dict, model_cfg: dict, checkpoint, device: torch.device):
+    """The trained network of a checkpoint, on `device`, in eval mode."""
     hp = ckpt["hyper_parameters"]
-    classes = list(hp["classes"])
     if hp["arch"] != model_cfg["arch"]:
         raise UserError(f"Checkpoint {checkpoint} holds a {hp['arch']} but `model.arch` is "
                         f"{model_cfg['arch']}: retrain or evaluate the matching checkpoint.")
-
-    dataset = data.val_dataset(params["data_root"], memory["decoder"], int(model_cfg["resolution"]))
-    if dataset.classes != classes:
-        raise UserError(f"{params['data_root']}/val has classes {dataset.classes[:5]}... but the "
-                        f"checkpoint was trained on {classes[:5]}...: evaluate on the same data.")
-
-    if cluster.get("accelerator") == "gpu" and torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        if cluster.get("accelerator") == "gpu":
-            log.warning("cluster %s has GPUs but this machine has none: evaluating on the CPU",
-                        cluster["name"])
-        device = torch.device("cpu")
-    precision = str(model_cfg.get("precision", "32"))
-    channels_last = bool(model_cfg.get("channels_last"))
-
-    model = recipes.build_model(hp["arch"], len(classes))
+    model = recipes.build_model(hp["arch"], len(hp["classes"]))
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(state)
     model.to(device).eval()
-    if channels_last:
+    if model_cfg["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
+    return model
 
-    batch = int(ev["batch_size"] or memory["per_device_batch"])
-    loader = data.loader(dataset, batch, int(memory["num_workers"]), memory.get("prefetch_factor"),
-                         shuffle=False, pin_memory=device.type == "cuda")
-    acc = Accumulator(len(classes), device)
+
+def predict(model, loader, device, precision: str, channels_last: bool,
+            acc: Accumulator) -> float:
+    """Run every batch through the model into `acc`; return the seconds it took."""
     t_loop = time.perf_counter()
     with torch.inference_mode():
         for x, y in loader:
@@ -166,31 +137,48 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
             with autocast(device, precision):
                 logits = model(x)
             acc.update(logits, y)
-    loop_s = time.perf_counter() - t_loop
+    return time.perf_counter() - t_loop
+
+
+def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
+    """Evaluate `checkpoint` on the val split; write the report JSON and the confusion PNG."""
+    t0 = time.perf_counter()
+    ev = settings.section(params, "evaluate")
+    model_cfg, cluster = params["model"], params["cluster"]
+    plan = Plan.read(memory_path, cluster["name"])
+    ckpt = load_checkpoint(checkpoint)
+    classes = list(ckpt["hyper_parameters"]["classes"])
+    dataset = data.val_dataset(params["data_root"], plan.decoder, int(model_cfg["resolution"]))
+    if dataset.classes != classes:
+        raise UserError(f"{params['data_root']}/val has classes {dataset.classes[:5]}... but the "
+                        f"checkpoint was trained on {classes[:5]}...: evaluate on the same data.")
+    device = pick_device(cluster)
+    model = load_model(ckpt, model_cfg, checkpoint, device)
+    batch = int(ev["batch_size"] or plan.per_device_batch)
+    loader = data.loader(dataset, batch, plan.num_workers, plan.prefetch_factor,
+                         shuffle=False, pin_memory=device.type == "cuda")
+    acc = Accumulator(len(classes), device)
+    loop_s = predict(model, loader, device, str(model_cfg["precision"]),
+                     bool(model_cfg["channels_last"]), acc)
     res = acc.result(classes, int(ev["top_confused"]))
     cm = res.pop("_confusion")
-
     small = len(classes) <= int(ev["max_confusion_classes"])
     if small:
         plots.confusion(cm, classes, confusion_png)
     else:
         plots.confused_pairs(res["most_confused"], len(classes), confusion_png)
     report = {
-        "cluster": cluster["name"],
-        **res,
+        "cluster": cluster["name"], **res,
         "loss_kind": "mean cross-entropy (no label smoothing)",
-        "num_classes": len(classes),
-        "classes": classes,
+        "num_classes": len(classes), "classes": classes,
         "confusion_matrix": cm.tolist() if small else None,
         "confusion_png": str(confusion_png),
         "confusion_plot": "matrix" if small else "most confused pairs",
         "checkpoint": {"path": str(checkpoint), "epoch": ckpt.get("epoch"),
                        "global_step": ckpt.get("global_step"),
                        "train_digest": ckpt.get("imgclf", {}).get("train_digest")},
-        "device": str(device),
-        "precision": precision,
-        "decoder": memory["decoder"],
-        "batch_size": batch,
+        "device": str(device), "precision": str(model_cfg["precision"]),
+        "decoder": plan.decoder, "batch_size": batch,
         "images_per_s": round(res["num_images"] / loop_s, 1) if loop_s else None,
         "seconds": round(time.perf_counter() - t0, 2),
     }

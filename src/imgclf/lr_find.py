@@ -14,11 +14,16 @@ import time
 import numpy as np
 
 from imgclf import data, plots, recipes
+from imgclf.plan import Plan
 from imgclf.errors import UserError
-from imgclf.provenance import atomic_path, read_json, write_artifact
+from imgclf.provenance import read_json, write_artifact
 
 log = logging.getLogger(__name__)
 SCALING_RULES = ("linear", "sqrt", "none")
+# `lr_finder.scaling: auto`: SGD-type optimizers scale linearly with the batch (Goyal et al. 2017);
+# adaptive ones (LAMB, Adam family) by the square root, as timm's train.py does by default
+# (`--lr-base-scale`).
+AUTO_SCALING = {"sgd": "linear", "lamb": "sqrt", "adamw": "sqrt", "adam": "sqrt"}
 
 
 # --- suggestions from a history -------------------------------------------------------------
@@ -68,16 +73,6 @@ def suggest_valley(lrs, losses, skip_start=10, skip_end=5):
     return float(lrs[max_start + int(sections) + int(sections / 2)])
 
 
-def suggestions(history: dict, cfg: dict) -> dict:
-    kw = {"skip_start": cfg["skip_start"], "skip_end": cfg["skip_end"]}
-    return {
-        "steepest": suggest_steepest(history["lr"], history["smoothed_loss"],
-                                     gradient=cfg["gradient"],
-                                     until_minimum=cfg["until_minimum"], **kw),
-        "valley": suggest_valley(history["lr"], history["smoothed_loss"], **kw),
-    }
-
-
 # --- one run ----------------------------------------------------------------------------------
 
 def _device(run: int):
@@ -100,47 +95,63 @@ def _amp(precision: str, device) -> dict:
             "grad_scaler": torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)}
 
 
-def find(root: str, model: dict, memory: dict, cfg: dict, run: int,
-         batch_size: int | None = None, threads: int | None = None) -> dict:
-    """One LR range test; returns the history, where it diverged, and both suggestions."""
-    import torch
+def _batches(loader, mixer):
+    """The loader's batches as training sees them: through the recipe's MixUp/CutMix, if any
+    (torch-lr-finder's own hook for changing batches, `TrainDataLoaderIter`)."""
+    from torch_lr_finder import TrainDataLoaderIter
+
+    class MixedBatches(TrainDataLoaderIter):
+        def inputs_labels_from_batch(self, batch):
+            inputs, labels = batch[0], batch[1]
+            return mixer(inputs, labels) if mixer is not None else (inputs, labels)
+
+    return MixedBatches(loader)
+
+
+def _finder(net, optimizer, criterion, device, amp: dict):
+    """torch-lr-finder's LRFinder that also keeps the raw per-step losses (it stores only the
+    smoothed ones)."""
     from torch_lr_finder import LRFinder
 
     class RecordingLRFinder(LRFinder):
-        """Keeps the raw per-step losses too (the library stores only smoothed ones)."""
-
-        raw: list
-
         def _train_batch(self, *args, **kwargs):
             loss = super()._train_batch(*args, **kwargs)
             self.raw.append(loss)
             return loss
+
+    finder = RecordingLRFinder(net, optimizer, criterion, device=device,
+                               **{k: v for k, v in amp.items() if k != "precision"})
+    finder.raw = []
+    return finder
+
+
+def find(root: str, model: dict, plan: Plan, cfg: dict, run: int,
+         batch_size: int | None = None, threads: int | None = None) -> dict:
+    """One LR range test with the recipe's model, loss, optimizer and batch mixing; returns the
+    loss curve and where it diverged."""
+    import torch
 
     if threads:
         torch.set_num_threads(threads)
     seed = cfg["seed"] + run
     torch.manual_seed(seed)
     recipe = recipes.get(model["recipe"])
-    batch = batch_size or memory["lr_finder_batch"]
+    batch = batch_size or plan.per_device_batch
     device = _device(run)
     amp = _amp(model["precision"], device)
-
-    train_set = data.train_dataset(root, memory["decoder"], model["resolution"], recipe)
+    train_set = data.train_dataset(root, plan.decoder, model["resolution"], recipe)
     net = recipes.build_model(model["arch"], len(train_set.classes))
     if model["channels_last"]:
         net = net.to(memory_format=torch.channels_last)
     net = net.to(device)
-    criterion = recipes.build_loss(recipe)
-    optimizer = recipes.build_optimizer(net, recipe, lr=cfg["start_lr"])
-    train_loader = data.loader(train_set, batch, memory["num_workers"], memory["prefetch_factor"],
-                               shuffle=True, seed=seed, pin_memory=device.type == "cuda",
-                               drop_last=True)
-    finder = RecordingLRFinder(net, optimizer, criterion, device=device,
-                               **{k: v for k, v in amp.items() if k != "precision"})
-    finder.raw = []
-    accumulation = memory.get("accumulate_grad_batches", 1) if cfg["accumulate"] else 1
+    mixer = data.batch_mixer(recipe, len(train_set.classes))
+    loader = data.loader(train_set, batch, plan.num_workers, plan.prefetch_factor, shuffle=True,
+                         seed=seed, pin_memory=device.type == "cuda", drop_last=True)
+    finder = _finder(net, recipes.build_optimizer(net, recipe, lr=cfg["start_lr"]),
+                     recipes.build_loss(recipe), device, amp)
+    accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1
     start = time.perf_counter()
-    finder.range_test(train_loader, start_lr=cfg["start_lr"], end_lr=cfg["end_lr"],
+    finder.range_test(_batches(loader, mixer), start_lr=cfg["start_lr"], end_lr=cfg["end_lr"],
                       num_iter=cfg["num_iter"], step_mode="exp", smooth_f=cfg["smooth_f"],
                       diverge_th=cfg["diverge_th"], accumulation_steps=accumulation)
     seconds = time.perf_counter() - start
@@ -151,27 +162,31 @@ def find(root: str, model: dict, memory: dict, cfg: dict, run: int,
     nonfinite = [i for i, x in enumerate(history["loss"]) if not math.isfinite(x)]
     diverged = n < cfg["num_iter"] or bool(nonfinite)
     stop = min([n - 1, *nonfinite]) if diverged else None
-    result = {
+    log.info("run %d (seed %d, batch %d on %s): %d iterations in %.1f s%s", run, seed, batch,
+             device, n, seconds, f", diverged at lr {history['lr'][stop]:.3g}" if diverged else "")
+    return {
         "run": run, "seed": seed, "batch_size": batch, "accumulation_steps": accumulation,
         "effective_batch": batch * accumulation, "device": str(device),
         "precision": amp["precision"], "model": model["arch"], "recipe": recipe.name,
-        "optimizer": recipe.optimizer, "decoder": memory["decoder"],
-        "num_workers": memory["num_workers"], "iterations": n,
+        "optimizer": recipe.optimizer, "batch_mixing": _mixing_note(recipe),
+        "decoder": plan.decoder, "num_workers": plan.num_workers, "iterations": n,
         "diverged": diverged,
         "diverged_at": None if stop is None else {"iteration": stop, "lr": history["lr"][stop]},
         "first_nonfinite_iteration": nonfinite[0] if nonfinite else None,
-        "suggestions": suggestions(history, cfg), "history": history,
-        "wall_time_s": round(seconds, 2),
+        "history": history, "wall_time_s": round(seconds, 2),
     }
-    log.info("run %d (seed %d, batch %d on %s): %d iterations in %.1f s, steepest %s, valley %s",
-             run, seed, batch, device, n, seconds, result["suggestions"]["steepest"],
-             result["suggestions"]["valley"])
-    return result
 
 
-def run_find(root, model, memory_path, cfg, run, out, batch_size=None, threads=None) -> dict:
-    memory = read_json(memory_path)
-    result = find(root, model, memory, cfg, run, batch_size=batch_size, threads=threads)
+def _mixing_note(recipe) -> str:
+    parts = [f"{name} alpha {a}" for name, a in (("MixUp", recipe.mixup_alpha),
+                                                 ("CutMix", recipe.cutmix_alpha)) if a > 0]
+    return ("the recipe's " + " or ".join(parts) + ", as in training") if parts else "none"
+
+
+def run_find(root, model, memory_path, cfg, run, out, cluster, batch_size=None,
+             threads=None) -> dict:
+    plan = Plan.read(memory_path, cluster)
+    result = find(root, model, plan, cfg, run, batch_size=batch_size, threads=threads)
     return write_artifact(out, result, config_slice={"root": root, "model": model, "lr_finder": cfg,
                                                       "run": run, "batch_size": batch_size},
                           inputs=[memory_path])
@@ -200,62 +215,79 @@ def spread(values: list[float]) -> dict:
             "geometric_std": float(np.exp(logs.std())) if len(values) > 1 else 1.0}
 
 
-def run_flags(run: dict, method: str) -> list[str]:
-    """Why a run cannot be trusted: no suggestion, or non-finite loss before its suggestion."""
-    lr = run["suggestions"].get(method)
-    if lr is None:
-        return ["no suggestion (too few finite points after the skips)"]
+def scaling_rule(cfg: dict, recipe) -> tuple[str, str]:
+    """(rule, why): `lr_finder.scaling`, or with `auto` the rule of the recipe's optimizer."""
+    if cfg["scaling"] != "auto":
+        return cfg["scaling"], "set by `lr_finder.scaling`"
+    rule = AUTO_SCALING.get(recipe.optimizer, "linear")
+    why = ("SGD scales linearly with the batch (Goyal et al. 2017)" if rule == "linear" else
+           f"{recipe.optimizer.upper()} is adaptive: square-root scaling, as timm's train.py")
+    return rule, f"`lr_finder.scaling: auto` for the recipe's optimizer: {why}"
+
+
+def read_curve(run: dict, cfg: dict) -> dict:
+    """A run's suggestions and why it cannot be trusted (flags), read with the summary's rules."""
+    h, kw = run["history"], {"skip_start": cfg["skip_start"], "skip_end": cfg["skip_end"]}
+    found = {"steepest": suggest_steepest(h["lr"], h["smoothed_loss"], gradient=cfg["gradient"],
+                                          until_minimum=cfg["until_minimum"], **kw),
+             "valley": suggest_valley(h["lr"], h["smoothed_loss"], **kw)}
+    lr, flags = found[cfg["suggestion"]], []
     bad = run.get("first_nonfinite_iteration")
-    if bad is not None and run["history"]["lr"][bad] <= lr:
-        return [f"diverged (non-finite loss at lr {run['history']['lr'][bad]:.3g}) before its "
-                f"suggestion {lr:.3g}"]
-    return []
+    if lr is None:
+        flags.append("no suggestion (too few finite points after the skips)")
+    elif bad is not None and h["lr"][bad] <= lr:
+        flags.append(f"diverged (non-finite loss at lr {h['lr'][bad]:.3g}) before its "
+                     f"suggestion {lr:.3g}")
+    return {"run": run["run"], "seed": run["seed"], "suggestions": found,
+            "diverged": run["diverged"], "diverged_at": run["diverged_at"],
+            "excluded": bool(flags), "flags": flags}
 
 
-def summarize(runs: list[dict], memory: dict, cfg: dict, recipe_name: str) -> dict:
+def _check_spread(sp: dict, cfg: dict) -> str | None:
+    if sp["max_over_min"] <= cfg["spread_limit"]:
+        return None
+    msg = (f"LR-finder runs disagree: suggestions span x{sp['max_over_min']:.2f} "
+           f"({sp['min']:.3g} to {sp['max']:.3g}), above `lr_finder.spread_limit` = "
+           f"{cfg['spread_limit']}")
+    if cfg["on_spread"] == "fail":
+        raise UserError(msg + "; raise the limit, add runs, or set `lr_finder.on_spread: warn`.")
+    log.warning(msg)
+    return msg
+
+
+def summarize(runs: list[dict], plan: Plan, cfg: dict, recipe_name: str) -> dict:
+    """The chosen LR over the runs and the training LR at the plan's global batch."""
     method = cfg["suggestion"]
-    per_run, valid = [], []
-    for r in runs:
-        flags = run_flags(r, method)
-        per_run.append({"run": r["run"], "seed": r["seed"], "suggestions": r["suggestions"],
-                        "diverged": r["diverged"], "diverged_at": r["diverged_at"],
-                        "excluded": bool(flags), "flags": flags})
-        if not flags:
-            valid.append(r["suggestions"][method])
+    per_run = [read_curve(r, cfg) for r in runs]
+    valid = [p["suggestions"][method] for p in per_run if not p["excluded"]]
     if not valid:
+        other = "valley" if method == "steepest" else "steepest"
         raise UserError(f"No LR-finder run produced a usable `{method}` suggestion: widen "
                         f"`lr_finder.start_lr`/`end_lr`, raise `lr_finder.num_iter`, or choose "
-                        f"`lr_finder.suggestion: {'valley' if method == 'steepest' else 'steepest'}`.")
+                        f"`lr_finder.suggestion: {other}`.")
     chosen = float(np.exp(np.median(np.log(valid))))
     sp = spread(valid)
     warnings = [f"run {p['run']} excluded: {'; '.join(p['flags'])}" for p in per_run if p["excluded"]]
-    if sp["max_over_min"] > cfg["spread_limit"]:
-        msg = (f"LR-finder runs disagree: suggestions span x{sp['max_over_min']:.2f} "
-               f"({sp['min']:.3g} to {sp['max']:.3g}), above `lr_finder.spread_limit` = "
-               f"{cfg['spread_limit']}")
-        if cfg["on_spread"] == "fail":
-            raise UserError(msg + "; raise the limit, add runs, or set `lr_finder.on_spread: warn`.")
-        warnings.append(msg)
-        log.warning(msg)
-    finder_batch = runs[0]["effective_batch"]
-    global_batch = memory["global_batch"]
+    warnings += [w for w in [_check_spread(sp, cfg)] if w]
     recipe = recipes.get(recipe_name)
+    rule, why = scaling_rule(cfg, recipe)
+    finder_batch, global_batch = runs[0]["effective_batch"], plan.global_batch
     return {
         "method": method, "runs": per_run, "valid_runs": len(valid),
         "chosen_lr": chosen, "spread": sp,
         "lr_finder_batch": runs[0]["batch_size"], "lr_finder_effective_batch": finder_batch,
-        "global_batch": global_batch, "scaling": cfg["scaling"],
-        "training_lr": scale_lr(chosen, finder_batch, global_batch, cfg["scaling"]),
-        "reference_lr": recipe.reference_lr(global_batch),
-        "reference": f"{recipe.name}: {recipe.lr} at batch {recipe.ref_batch}, linearly scaled",
+        "global_batch": global_batch, "scaling": rule, "scaling_reason": why,
+        "training_lr": scale_lr(chosen, finder_batch, global_batch, rule),
+        "reference_lr": scale_lr(recipe.lr, recipe.ref_batch, global_batch, rule),
+        "reference": f"{recipe.name}: {recipe.lr} at batch {recipe.ref_batch}, {rule} scaling",
+        "batch_mixing": runs[0].get("batch_mixing", "not recorded"),
         "warnings": warnings,
     }
 
 
-def run_summary(run_paths, memory_path, cfg, recipe_name, out, plot) -> dict:
+def run_summary(run_paths, memory_path, cfg, recipe_name, out, plot, cluster) -> dict:
     runs = [read_json(p) for p in run_paths]
-    memory = read_json(memory_path)
-    summary = summarize(runs, memory, cfg, recipe_name)
+    summary = summarize(runs, Plan.read(memory_path, cluster), cfg, recipe_name)
     log.info("chosen LR %.4g (spread x%.2f), training LR %.4g at global batch %d (%s); recipe "
              "reference %.4g", summary["chosen_lr"], summary["spread"]["max_over_min"],
              summary["training_lr"], summary["global_batch"], summary["scaling"],

@@ -105,16 +105,48 @@ def provenance(config_slice=None, inputs=()) -> dict:
     }
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux shows it (setting and restoring
+    it would race with threads that create files meanwhile)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path: str | os.PathLike, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike):
-    """Yield a temporary path beside `path`; rename it into place only if the block succeeds."""
+    """Yield a temporary path beside `path`; if the block succeeds, make the file durable and
+    rename it into place, so a reader sees the old file or the whole new one, never a part.
+
+    The file gets the mode an ordinary `open` would give it (0666 less the umask): on a shared
+    cluster file system the group reads artifacts and checkpoints as it reads any other file
+    (mkstemp alone would leave them 0600). It is fsync'ed before the rename and the directory
+    after it, so a crash of the node cannot leave a renamed but empty file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        _fsync(tmp)
         os.replace(tmp, path)
+        _fsync(path.parent, directory=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

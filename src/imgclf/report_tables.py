@@ -89,7 +89,6 @@ def memory_tables(d: dict) -> list[tuple]:
         ("global batch", f"{d['global_batch']} (recipe target {d['target_global_batch']})"),
         ("limited by", d["limited_by"]),
         ("largest fitting batch", d["largest_fitting_batch"]),
-        ("LR-finder batch", d["lr_finder_batch"]),
         ("loader", f"{d['decoder']}, {d['num_workers']} workers, prefetch {d['prefetch_factor']}"),
         ("GPU capacity / budget", f"{_gb(d['capacity_bytes'])} / {_gb(d['budget_bytes'])} "
                                   f"(safety margin {d['safety_margin']})"),

@@ -3,6 +3,7 @@ slices each stage receives, shared by the Snakemake rules and the CLI."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from pathlib import Path
@@ -31,9 +32,23 @@ def describe_validation_error(err) -> str:
     if err.validator in ("minimum", "exclusiveMinimum"):
         return f"Config error: `{where}` is {err.instance!r} but must be positive ({err.message})."
     if err.validator == "oneOf":
-        return f"Config error: `{where}` = {err.instance!r} is not valid here " \
-               f"(expected a positive number or 'auto')."
+        forms = " or ".join(_describe_form(s) for s in err.schema["oneOf"])
+        return f"Config error: `{where}` = {err.instance!r} is not valid here (expected {forms})."
     return f"Config error: `{where}` = {err.instance!r}: {err.message}."
+
+
+def _describe_form(sub: dict) -> str:
+    """One alternative of a `oneOf`, in words: 'null', 'auto', 'an integer >= 1', ..."""
+    if "$ref" in sub:
+        sub = schema()["$defs"][sub["$ref"].rsplit("/", 1)[-1]]
+    if "enum" in sub:
+        return " or ".join(repr(v) for v in sub["enum"])
+    kind = {"null": "null", "integer": "an integer", "number": "a number",
+            "array": "a list", "string": "a string"}.get(sub.get("type"), "a value")
+    for key, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<=")):
+        if key in sub:
+            kind += f" {sign} {sub[key]}"
+    return kind
 
 
 def checked(config: dict) -> dict:
@@ -51,15 +66,55 @@ def checked(config: dict) -> dict:
     return config
 
 
-def section(params: dict, name: str, defaults: dict) -> dict:
-    """A stage's config section from a params JSON, defaults filled in; unknown keys are a user
-    error (the CLI's --params-json bypasses the schema)."""
-    given = params.get(name) or {}
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise UserError(f"Unknown key(s) {', '.join(unknown)} under `{name}:` "
-                        f"(allowed: {', '.join(defaults)}).")
-    return {**defaults, **given}
+@functools.lru_cache(maxsize=1)
+def schema() -> dict:
+    import yaml
+
+    with open(SCHEMA) as f:
+        return yaml.safe_load(f)
+
+
+def _filling_validator():
+    """A JSON-schema validator that also fills in every `default` of the schema, as Snakemake's
+    `validate(..., set_default=True)` does: the schema is where the defaults live."""
+    from jsonschema import Draft202012Validator, validators
+
+    check_properties = Draft202012Validator.VALIDATORS["properties"]
+
+    def properties_with_defaults(validator, properties, instance, schema_):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub:
+                    instance.setdefault(key, copy.deepcopy(sub["default"]))
+        yield from check_properties(validator, properties, instance, schema_)
+
+    return validators.extend(Draft202012Validator, {"properties": properties_with_defaults})
+
+
+def validate(instance: dict, part: str | None = None) -> dict:
+    """Check `instance` against the config schema (or its top-level section `part`) and fill in
+    the defaults, in place; a violation is a UserError naming the key."""
+    import jsonschema
+
+    full = schema()
+    sub = full if part is None else {"$defs": full["$defs"], **full["properties"][part]}
+    errors = sorted(_filling_validator()(sub).iter_errors(instance),
+                    key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        if part is not None:
+            err = jsonschema.ValidationError(err.message, validator=err.validator,
+                                             path=[part, *err.absolute_path], instance=err.instance,
+                                             schema=err.schema)
+        raise UserError(describe_validation_error(err))
+    return instance
+
+
+def section(params: dict, name: str) -> dict:
+    """The config section `name` of a params JSON (what a rule passes the CLI), checked against
+    the same schema as the workflow's config and completed with the same defaults, so that
+    `imgclf <stage>` and the rule can never disagree."""
+    return validate(copy.deepcopy(params.get(name) or {}), name)
 
 
 def module_files(module: str, workflow_dir: str | os.PathLike | None = None) -> list[str]:
@@ -139,11 +194,9 @@ def _merge(base: dict, update: dict) -> dict:
 
 
 def load(configfiles=(), overrides: dict | None = None) -> dict:
-    """config/config.yaml, then each file in `configfiles`, then `overrides`, validated as the
-    workflow validates it."""
+    """config/config.yaml, then each file in `configfiles`, then `overrides`, validated (and
+    completed with the schema's defaults) as the workflow validates it."""
     import yaml
-    from snakemake.exceptions import WorkflowError
-    from snakemake.utils import validate
 
     config: dict = {}
     for path in [DEFAULT_CONFIG, *configfiles]:
@@ -153,82 +206,111 @@ def load(configfiles=(), overrides: dict | None = None) -> dict:
         except FileNotFoundError:
             raise UserError(f"Config file {path} does not exist.") from None
     config = _merge(config, overrides or {})
-    try:
-        validate(config, str(SCHEMA))
-    except WorkflowError as e:
-        raise UserError(describe_validation_error(e.__context__)) from None
-    return checked(config)
+    return checked(validate(config))
 
 
 # --- the slice of config each stage receives -----------------------------------------------
+#
+# Snakemake reruns a job when its params differ from the last run's, comparing them by value
+# AND key order. So every slice is returned in canonical form: keys sorted at every level,
+# paths normalised. Rewriting the config with the same values in another order (a YAML round
+# trip, a --configfile that lists keys differently) then plans nothing.
+
+def canonical(value):
+    """`value` with dict keys sorted at every level and tuples as lists."""
+    if isinstance(value, dict):
+        return {str(k): canonical(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    return value
+
+
+def _root(config: dict, cluster_name: str) -> str:
+    return os.path.normpath(data_root(config, cluster_name))
+
+
+def census_key(cluster_name: str) -> dict | None:
+    """Verdict and census digest of the hydration check's hand-off (None before the first
+    check): what the stages after the check know of the data set's files."""
+    from imgclf import hydration
+
+    return hydration.handoff_key(f"results/hydration/{cluster_name}.verdict.json")
+
 
 def hydration_params(config: dict, cluster_name: str) -> dict:
-    return {
-        "root": data_root(config, cluster_name),
+    return canonical({
+        "root": _root(config, cluster_name),
         "params": {**config["hydration"], **expected_counts(config)},
         "min_read_mb_s": min_read_mb_s(config, cluster_name),
         "cluster": cluster_name,
-    }
+    })
 
 
 def loader_params(config: dict, cluster_name: str) -> dict:
     """benchmark_loader: the data root, `loader.*`, the recipe and resolution it times (not
     the architecture: a new model does not change the input pipeline), the hardware entry."""
-    return {
-        "root": data_root(config, cluster_name),
+    return canonical({
+        "root": _root(config, cluster_name),
         "loader": config["loader"],
         "model": {"recipe": config["model"]["recipe"], "resolution": config["model"]["resolution"]},
         "hw": stage_hardware(config, cluster_name),
-    }
+    })
 
 
 def memory_params(config: dict, cluster_name: str) -> dict:
     """solve_memory: `memory.*`, `model.*` and the hardware entry (the loader choice is an input
     file, not config)."""
-    return {
+    return canonical({
         "memory": config["memory"],
         "model": config["model"],
         "hw": stage_hardware(config, cluster_name),
-    }
+    })
 
 
-FIND_KEYS = ("seed", "start_lr", "end_lr", "num_iter", "smooth_f", "diverge_th", "accumulate",
-             "skip_start", "skip_end", "gradient", "until_minimum")
+# How one range test runs. The keys that say how a finished curve is read (skip_start,
+# skip_end, gradient, until_minimum, suggestion) belong to the summary: editing them replans the
+# summary and what follows it, never the range tests, which are GPU jobs in a queue.
+RANGE_TEST_KEYS = ("seed", "start_lr", "end_lr", "num_iter", "smooth_f", "diverge_th",
+                   "accumulate")
+SUMMARY_KEYS = ("skip_start", "skip_end", "gradient", "until_minimum", "suggestion", "scaling",
+                "spread_limit", "on_spread")
 
 
 def lr_find_params(config: dict, cluster_name: str) -> dict:
-    """lr_find: what one range test depends on (not the run count or how runs are combined,
-    so adding a run or changing the scaling rule does not redo the existing runs)."""
-    return {
-        "root": data_root(config, cluster_name),
+    """lr_find: what one range test depends on (not the run count, how a curve is read or how
+    runs are combined: adding a run or changing a suggestion rule redoes no existing run)."""
+    return canonical({
+        "root": _root(config, cluster_name),
         "model": config["model"],
-        "cfg": {k: config["lr_finder"][k] for k in FIND_KEYS},
-    }
+        "cfg": {k: config["lr_finder"][k] for k in RANGE_TEST_KEYS},
+    })
 
 
 def lr_summary_params(config: dict, cluster_name: str) -> dict:
-    """summarize_lr: how runs are combined and scaled, and the recipe (its reference LR)."""
-    keys = ("suggestion", "scaling", "spread_limit", "on_spread")
-    return {"cfg": {k: config["lr_finder"][k] for k in keys},
-            "recipe_name": config["model"]["recipe"]}
+    """summarize_lr: how curves are read, how runs are combined and scaled, and the recipe (its
+    optimizer picks the scaling rule, its LR is the reference)."""
+    return canonical({"cfg": {k: config["lr_finder"][k] for k in SUMMARY_KEYS},
+                      "recipe_name": config["model"]["recipe"]})
 
 
 def train_params(config: dict, cluster_name: str) -> dict:
-    """train: the data root, `model.*`, `train.*` and the resolved hardware entry (the memory
-    solve and the LR summary are input files, not config)."""
-    return {
-        "data_root": data_root(config, cluster_name),
+    """train: the data root and its census, `model.*`, `train.*` and the resolved hardware
+    entry (the memory solve and the LR summary are input files, not config). The census makes a
+    data set changed at the same path a new training, never a resume of the old one."""
+    return canonical({
+        "data_root": _root(config, cluster_name),
+        "census": census_key(cluster_name),
         "model": config["model"],
-        "train": config.get("train", {}),
+        "train": config["train"],
         "cluster": stage_hardware(config, cluster_name),
-    }
+    })
 
 
 def evaluate_params(config: dict, cluster_name: str) -> dict:
     """evaluate: the data root, `model.*`, `evaluate.*` and the resolved hardware entry."""
-    return {
-        "data_root": data_root(config, cluster_name),
+    return canonical({
+        "data_root": _root(config, cluster_name),
         "model": config["model"],
-        "evaluate": config.get("evaluate", {}),
+        "evaluate": config["evaluate"],
         "cluster": stage_hardware(config, cluster_name),
-    }
+    })

@@ -3,7 +3,7 @@ import json
 import sys
 from pathlib import Path
 
-from imgclf import hydration, report_tables
+from imgclf import report_tables
 
 # the CLI of the environment Snakemake runs in (it need not be on PATH)
 IMGCLF = str(Path(sys.executable).parent / "imgclf")
@@ -48,7 +48,7 @@ def verdict_census(wildcards):
     """Verdict and census digest of the hand-off, as a param of the loader benchmark: a changed
     census is a changed param, which reruns it (Snakemake re-evaluates it once the checkpoint
     has run, in the same invocation)."""
-    return hydration.handoff_key(f"results/hydration/{wildcards.cluster}.verdict.json")
+    return settings.census_key(wildcards.cluster)
 
 
 def report_table_source(wildcards):

@@ -9,6 +9,6 @@ rule prepare_demo_data:
     log:
         "logs/prepare_demo_data.log",
     params:
-        demo=config["demo"],
+        demo=settings.canonical(config["demo"]),
     script:
         "../scripts/prepare_demo_data.py"

@@ -6,7 +6,7 @@ rule benchmark_loader:
     input:
         verdict=hydration_verdict,
         data=data_input,
-        code=code("loader_bench", "data", "recipes"),
+        code=code("loader_bench", "data", "recipes", "plots", "progress"),
     output:
         json=report(
             "results/loader/{cluster}.json",

@@ -5,7 +5,7 @@ rule lr_find:
     input:
         memory="results/memory/{cluster}.json",
         data=data_input,
-        code=code("lr_find", "recipes", "data"),
+        code=code("lr_find", "recipes", "data", "plan"),
     output:
         "results/lr/{cluster}/run{run}.json",
     log:
@@ -26,7 +26,7 @@ rule summarize_lr:
     input:
         runs=lambda wc: lr_runs(wc.cluster),
         memory="results/memory/{cluster}.json",
-        code=code("lr_find"),
+        code=code("lr_find", "plan", "plots"),
     output:
         summary="results/lr/{cluster}_summary.json",
         plot=report(

@@ -9,7 +9,7 @@ rule solve_memory:
     batch, loader workers/prefetch within the host RAM budget."""
     input:
         loader="results/loader/{cluster}.json",
-        code=code("memory", "recipes", "data"),
+        code=code("memory", "recipes", "data", "plots"),
     output:
         json=report(
             "results/memory/{cluster}.json",

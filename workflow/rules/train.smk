@@ -13,7 +13,7 @@ rule train_model:
         memory="results/memory/{cluster}.json",
         lr=lr_summary_input,
         data=data_input,
-        code=code("train", "recipes", "data"),
+        code=code("train", "recipes", "data", "plan", "plots"),
     output:
         best="results/train/{cluster}/best.ckpt",
         metrics="results/train/{cluster}/metrics.csv",
@@ -43,7 +43,7 @@ rule train_model:
             workflow, hw(wc), "mem_mb_per_cpu"
         ),
     params:
-        p=lambda wc: json.dumps(settings.train_params(config, wc.cluster)),
+        p=lambda wc: json.dumps(settings.train_params(config, wc.cluster), sort_keys=True),
         lr=lambda wc, input: f"--lr-summary {input.lr}" if input.lr else "",
         imgclf=IMGCLF,
     shell:
@@ -58,7 +58,7 @@ rule evaluate:
         ckpt="results/train/{cluster}/best.ckpt",
         memory="results/memory/{cluster}.json",
         data=data_input,
-        code=code("evaluate", "data"),
+        code=code("evaluate", "recipes", "data", "plan", "plots"),
     output:
         json="results/eval/{cluster}.json",
         confusion=report(
@@ -70,7 +70,7 @@ rule evaluate:
         "logs/eval/{cluster}.log",
     threads: workflow.cores
     params:
-        p=lambda wc: json.dumps(settings.evaluate_params(config, wc.cluster)),
+        p=lambda wc: json.dumps(settings.evaluate_params(config, wc.cluster), sort_keys=True),
         imgclf=IMGCLF,
     shell:
         "{params.imgclf} evaluate --params-json {params.p:q} --memory {input.memory}"

@@ -1,0 +1,177 @@
+"""Exact counts of a training step's memory, and the arithmetic of the batch that fits.
+
+Parameters, gradients and optimizer state are counted from the real model; activation memory
+is the bytes of the tensors autograd saves for backward, counted on the CPU for the real model
+at the recipe's precision. What cannot be counted there (CUDA context, cuDNN workspaces,
+allocator fragmentation) enters the budget as the allowances of the `memory:` config.
+
+torch and the modules that import it are imported inside functions (see the package
+docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+GB = 1e9
+AUTOCAST = {"32": None, "16-mixed": "float16", "bf16-mixed": "bfloat16"}
+
+
+def autocast_context(precision: str, device_type: str):
+    """The autocast region of a `model.precision` on `device_type` (none for full precision)."""
+    import torch
+
+    dtype = AUTOCAST[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=getattr(torch, dtype))
+
+
+def _saved_bytes(model, x, y, loss_fn, precision: str, owned: set) -> dict:
+    """Sizes of the storages autograd saves in one forward + loss at the batch (x, y), each
+    storage once, leaving out the model's own tensors and the batch itself."""
+    import torch
+
+    skip = owned | {x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+    dtypes: dict[str, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in skip and key not in seen:
+            seen[key] = storage.nbytes()
+            dtype = str(t.dtype).replace("torch.", "")
+            dtypes[dtype] = dtypes.get(dtype, 0) + storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast_context(precision, "cpu"):
+            loss = loss_fn(model(x), y)
+    sizes = list(seen.values())
+    del loss  # the graph (and the saved tensors) had to live until every size was read
+    return {"sizes": sizes, "dtypes": dtypes}
+
+
+def saved_tensor_profile(model, make_batch, loss_fn, precision: str = "32",
+                         batches: tuple[int, int] = (2, 3), channels_last: bool = False) -> dict:
+    """Bytes autograd saves for backward in one forward + loss, split into a fixed part and a
+    per-sample part from two batch sizes.
+
+    Storages are counted once however many ops save them (an in-place ReLU's output is saved by
+    the ReLU and by the next convolution); parameters, buffers and the input batch are excluded
+    (they are counted as their own components). Under mixed precision the fixed part is the
+    low-precision copies of the weights that autocast makes and backward keeps."""
+    import torch
+
+    model.train()
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    runs = []
+    for b in batches:
+        x, y = make_batch(b)
+        if channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        runs.append({"batch": b, **_saved_bytes(model, x, y, loss_fn, precision, owned)})
+    (b1, r1), (b2, r2) = [(r["batch"], r) for r in runs]
+    total1, total2 = sum(r1["sizes"]), sum(r2["sizes"])
+    per_sample = (total2 - total1) / (b2 - b1)
+    if len(r1["sizes"]) == len(r2["sizes"]):  # same graph: pair tensors by the order saved
+        growth = [(s2 - s1) / (b2 - b1) for s1, s2 in zip(r1["sizes"], r2["sizes"])]
+        largest = max(growth, default=0.0)
+    else:
+        largest = max(r2["sizes"], default=0) / b2
+    return {"per_sample_bytes": per_sample, "fixed_bytes": max(0.0, total1 - per_sample * b1),
+            "largest_per_sample_bytes": largest, "tensors_saved": len(r2["sizes"]),
+            "bytes_by_dtype": r2["dtypes"], "batches": list(batches), "precision": precision,
+            "counted_on": "cpu"}
+
+
+def count_params(model) -> dict:
+    """Trainable parameters (count and bytes) and the bytes of the model's buffers."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return {"params": sum(p.numel() for p in params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers())}
+
+
+@functools.lru_cache(maxsize=16)
+def model_profile(arch: str, num_classes: int, resolution: int, precision: str,
+                  channels_last: bool, recipe_name: str) -> dict:
+    """Parameter counts and saved-tensor profile of the real model, loss and precision
+    (cached: planning several clusters for one model counts it once)."""
+    import torch
+
+    from imgclf import recipes
+
+    recipe = recipes.get(recipe_name)
+    model = recipes.build_model(arch, num_classes)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    loss_fn = recipes.build_loss(recipe)
+    gen = torch.Generator().manual_seed(0)
+
+    def make_batch(b):
+        return (torch.randn(b, 3, resolution, resolution, generator=gen),
+                torch.randint(0, num_classes, (b,), generator=gen))
+
+    try:  # batches 1 and 2 cost least; batch norm refuses batch 1 on a 1x1 feature map
+        profile = saved_tensor_profile(model, make_batch, loss_fn, precision, batches=(1, 2),
+                                       channels_last=channels_last)
+    except ValueError:
+        profile = saved_tensor_profile(model, make_batch, loss_fn, precision, batches=(2, 3),
+                                       channels_last=channels_last)
+    return {**count_params(model), "activations": profile}
+
+
+def breakdown(batch: int, prof: dict, *, resolution: int, state_floats: int, world: int,
+              memory: dict, gpu: bool) -> dict:
+    """Bytes per component at `batch` on one device (GPU memory, or a CPU rank's RAM)."""
+    from imgclf import data
+
+    act = prof["activations"]
+    parts = {
+        "weights": prof["param_bytes"],
+        "gradients": prof["param_bytes"],
+        "optimizer_state": prof["params"] * 4 * state_floats,
+        "buffers": prof["buffer_bytes"],
+        # DDP keeps its gradient buckets beside the .grad tensors (gradient_as_bucket_view off)
+        "ddp_buckets": prof["param_bytes"] if world > 1 else 0,
+        "weight_casts": act["fixed_bytes"],
+        "batch": data.sample_batch_bytes(batch, resolution) + batch * 8,  # images + int64 labels
+        "activations": act["per_sample_bytes"] * batch,
+        # backward holds the gradient flowing into and out of a layer beside what is saved
+        "backward_transient": 2 * act["largest_per_sample_bytes"] * batch,
+    }
+    parts["fragmentation"] = memory["fragmentation"] * (parts["activations"]
+                                                        + parts["backward_transient"])
+    if gpu:
+        parts["cuda_context"] = memory["cuda_context_gb"] * GB
+        parts["workspace"] = memory["workspace_gb"] * GB
+    return {k: int(round(v)) for k, v in parts.items()}
+
+
+def largest_fitting(total, budget: float, upper: int = 1 << 20) -> int:
+    """Largest batch b >= 0 with total(b) <= budget for a total that grows with b (bisection:
+    no assumption that it is exactly linear)."""
+    if total(1) > budget:
+        return 0
+    lo, hi = 1, 2
+    while hi <= upper and total(hi) <= budget:
+        lo, hi = hi, hi * 2
+    if hi > upper:
+        return upper
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid)
+    return lo
+
+
+def round_down(batch: int, multiple: int) -> int:
+    """`batch` down to a multiple of `multiple` (`memory.round_to`); a smaller batch is kept."""
+    return batch - batch % multiple if batch >= multiple else batch
+
+
+def accumulation(target_global: int, per_device: int, devices: int, nodes: int) -> int:
+    """Steps to accumulate so that per_device x devices x nodes x steps reaches the target."""
+    return max(1, math.ceil(target_global / (per_device * devices * nodes)))

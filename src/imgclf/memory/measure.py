@@ -1,0 +1,241 @@
+"""The measured budget: real training steps on a GPU that is the cluster's GPU.
+
+Probes at a few batch sizes give the peak memory torch's allocator reserves; a line through
+them is the fixed + per-sample memory, the batch it solves for is verified with one more real
+step, and the search backs off on out-of-memory errors. Whether the solve measures at all is
+decided here too (`plans_measurement`): the rule asks for a GPU only when it will."""
+
+from __future__ import annotations
+
+import gc
+
+from imgclf import hardware
+from imgclf.errors import UserError
+from imgclf.memory.estimate import GB, autocast_context, count_params, round_down
+
+
+# --- when to measure --------------------------------------------------------------------------
+
+def matching_gpu(hw: dict) -> dict | None:
+    """A GPU visible here that is the cluster's GPU (same model name, at least its memory)."""
+    if hw["accelerator"] != "gpu":
+        return None
+    want = str(hw.get("gpu_model", "")).lower()
+    for gpu in hardware.detect_gpus():
+        if want and want in gpu["name"].lower() and gpu["memory_gb"] >= 0.9 * hw["gpu_memory_gb"]:
+            return gpu
+    return None
+
+
+def plans_measurement(memory: dict, hw: dict) -> bool:
+    """True when the solve will run real steps on a GPU (so the rule asks for `gpu=1`)."""
+    if memory["mode"] == "estimate" or hw["accelerator"] != "gpu":
+        return False
+    if memory["mode"] == "measure":
+        return bool(hardware.detect_gpus())
+    return matching_gpu(hw) is not None
+
+
+def gpus_to_request(memory: dict, hw: dict, on_slurm: bool) -> int:
+    """GPUs the solve_memory job asks for. Submitting to Slurm, the GPU the solve may measure on
+    is on the compute node, invisible from where Snakemake decides: ask for one whenever the
+    entry has GPUs and measuring is allowed; the job itself then measures or estimates."""
+    if on_slurm:
+        return int(memory["mode"] != "estimate" and hw["accelerator"] == "gpu")
+    return int(plans_measurement(memory, hw))
+
+
+# --- the device -------------------------------------------------------------------------------
+
+def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
+              precision: str, channels_last: bool, steps: int):
+    """A probe: real forward + backward + optimizer steps on cuda:0 at batch b, returning the
+    peak allocated and reserved bytes; an out-of-memory error is cleaned up and re-raised."""
+    import torch
+
+    from imgclf import recipes
+
+    device = torch.device("cuda", 0)
+    model = recipes.build_model(arch, num_classes).to(device)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    loss_fn = recipes.build_loss(recipe)
+    optimizer = recipes.build_optimizer(model, recipe, lr=recipe.lr)
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "16-mixed")
+
+    def step(batch: int) -> dict:
+        # blocks cached by an earlier (failed) probe would count as this probe's reservation
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        x = y = loss = None
+        try:
+            for _ in range(steps):
+                x = torch.randn(batch, 3, resolution, resolution, device=device)
+                x = x.contiguous(memory_format=fmt)
+                y = torch.randint(0, num_classes, (batch,), device=device)
+                with autocast_context(precision, "cuda"):
+                    loss = loss_fn(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                x = y = loss = None
+            torch.cuda.synchronize()
+            return {"allocated": torch.cuda.max_memory_allocated(),
+                    "reserved": torch.cuda.max_memory_reserved()}
+        except torch.OutOfMemoryError:
+            x = y = loss = None  # the caller drops the exception; the next probe frees the cache
+            optimizer.zero_grad(set_to_none=True)
+            raise
+
+    return step
+
+
+def cuda_device() -> dict:
+    """cuda:0 as the measured mode sees it: free and total bytes before the model exists, its
+    name, and the factory of probe steps."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("`memory.mode: measure` needs a GPU but torch sees no CUDA device here: "
+                        "set `memory.mode: estimate` or run solve_memory on a GPU node.")
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info(0)
+    return {"name": torch.cuda.get_device_name(0), "free": free, "total": total,
+            "step_factory": cuda_step}
+
+
+# --- probing, fitting, verifying --------------------------------------------------------------
+
+def fit_line(points: dict[int, float]) -> tuple[float, float]:
+    """Least-squares fixed + per-sample bytes; one point: all of it per sample (conservative)."""
+    if len(points) == 1:
+        (b, y), = points.items()
+        return 0.0, y / b
+    n = len(points)
+    mx, my = sum(points) / n, sum(points.values()) / n
+    sxx = sum((b - mx) ** 2 for b in points)
+    slope = sum((b - mx) * (y - my) for b, y in points.items()) / sxx
+    return my - slope * mx, slope
+
+
+def _try(step, batch: int, budget: float, what: str, events: list[str]) -> dict | None:
+    """The peak of one real step at `batch`, or None (with an event) when it ran out of memory
+    or reserved more than the budget."""
+    import torch
+
+    try:
+        peak = step(batch)
+    except torch.OutOfMemoryError:
+        peak = None
+    if peak is not None and peak["reserved"] <= budget:
+        return peak
+    events.append(f"{what} at batch {batch}: " + ("out of memory" if peak is None else
+                  f"{peak['reserved'] / GB:.2f} GB reserved, over the budget"))
+    return None
+
+
+def _probe(step, budget: float, probes: list[int], max_backoffs: int,
+           events: list[str]) -> tuple[dict[int, dict], list[int]]:
+    """Peaks at the probe batches that fit, and the batches that did not; a batch that does
+    not fit is replaced by the one halfway down to the largest that did (or by its half)."""
+    ok: dict[int, dict] = {}
+    too_big: list[int] = []
+    queue = sorted(set(probes))
+    tries = 0
+    while queue and tries < len(probes) + max_backoffs:
+        b = queue.pop(0)
+        tries += 1
+        peak = _try(step, b, budget, "probe", events)
+        if peak is not None:
+            ok[b] = peak
+            continue
+        too_big.append(b)
+        lower = max((k for k in ok if k < b), default=0)
+        queue = [q for q in queue if q < b]
+        nxt = (lower + b) // 2
+        if nxt > lower and nxt not in ok:
+            queue.insert(0, nxt)
+        elif not ok and b > 1:
+            queue.insert(0, max(1, b // 2))
+    return ok, too_big
+
+
+def _verify(step, budget: float, batch: int, *, round_to: int, max_backoffs: int,
+            events: list[str]) -> tuple[int, dict | None]:
+    """The solved batch, or the first smaller one (a multiple of `round_to` while it can be),
+    at which a real step fits the budget, with its peak; None when not even batch 1 does."""
+    for _ in range(max_backoffs + 1):
+        peak = _try(step, batch, budget, "verification", events)
+        if peak is not None:
+            return batch, peak
+        if batch == 1:
+            break
+        lower = batch - round_to if batch > round_to else batch // 2
+        batch = max(1, round_down(lower, round_to) if lower >= round_to else lower)
+    return batch, None
+
+
+def measure(step, budget: float, probes: list[int], *, round_to: int, max_batch: int,
+            max_backoffs: int, what: str) -> dict:
+    """Probe, fit fixed + per-sample reserved memory, solve, verify with one more real step.
+
+    `step(b)` returns {"allocated", "reserved"} or raises torch.OutOfMemoryError; a probe over
+    the budget counts as too large. Out-of-memory errors are caught and the search backs off;
+    only when batch 1 itself does not fit does it raise (UserError, one sentence)."""
+    events: list[str] = []
+    ok, too_big = _probe(step, budget, probes, max_backoffs, events)
+    if not ok:
+        raise UserError(f"Not even a batch of 1 fits: {what} ran out of the "
+                        f"{budget / GB:.2f} GB budget (memory.safety_margin) at every probe "
+                        f"down to batch {min(too_big)}.")
+    fixed, per_sample = fit_line({b: p["reserved"] for b, p in ok.items()})
+    per_sample = max(per_sample, 1.0)
+    solved = int((budget - fixed) // per_sample)
+    ceiling = min([max_batch] + [b - 1 for b in too_big])
+    batch = max(1, round_down(min(solved, ceiling), round_to))
+    batch, verified = _verify(step, budget, batch, round_to=round_to,
+                              max_backoffs=max_backoffs, events=events)
+    if verified is None:
+        raise UserError(f"Not even a batch of 1 fits: {what} could not complete a verified step "
+                        f"within the {budget / GB:.2f} GB budget (memory.safety_margin).")
+    return {"per_device_batch": batch, "solved_batch": solved, "fixed_bytes": fixed,
+            "per_sample_bytes": per_sample, "probes": {str(b): p for b, p in sorted(ok.items())},
+            "too_big": sorted(too_big), "events": events, "verified": verified}
+
+
+def recipes_param_bytes(arch: str, num_classes: int) -> int:
+    """Bytes of the trainable parameters of `arch` with `num_classes` outputs."""
+    from imgclf import recipes
+
+    return count_params(recipes.build_model(arch, num_classes))["param_bytes"]
+
+
+def measure_here(memory, model, hw, recipe, num_classes, estimate_batch, max_batch, what,
+                 device: dict) -> dict:
+    """Measured mode on `device` (see `cuda_device`); probes at 1/4, 1/2 and 3/4 of the
+    estimated batch unless `memory.probe_batches` names them. The budget is the safety margin
+    of the GPU's memory less what lies outside torch's allocator and, when training runs on
+    several devices, DDP's gradient buckets (the probes run on one GPU, without DDP)."""
+    free, total = device["free"], device["total"]
+    step = device["step_factory"](model["arch"], num_classes, recipe, model["resolution"],
+                                  model["precision"], model["channels_last"],
+                                  memory["probe_steps"])
+    capacity = min(total, hw["gpu_memory_gb"] * GB)
+    outside = total - free  # CUDA context and anything else not in torch's allocator
+    world = hw["devices_per_node"] * hw["nodes"]
+    ddp = recipes_param_bytes(model["arch"], num_classes) if world > 1 else 0
+    budget = memory["safety_margin"] * capacity - outside - ddp
+    if memory["probe_batches"] == "auto":
+        e = max(estimate_batch, 4)
+        probes = sorted({max(1, e // 4), max(2, e // 2), max(3, 3 * e // 4)})
+    else:
+        probes = list(memory["probe_batches"])
+    result = measure(step, budget, probes, round_to=memory["round_to"], max_batch=max_batch,
+                     max_backoffs=memory["max_backoffs"], what=what)
+    result.update(device=device["name"], device_total_bytes=total,
+                  outside_allocator_bytes=outside, ddp_bucket_bytes=ddp,
+                  allocator_budget_bytes=budget)
+    return result

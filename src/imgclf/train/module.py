@@ -1,0 +1,176 @@
+"""What trains: the ResNet with the recipe's loss, optimizer, batch mixing and LR schedule
+(a LightningModule), and the train/val data (a LightningDataModule)."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from imgclf import data, recipes
+from imgclf.errors import UserError
+
+
+# --- LR schedule ---------------------------------------------------------------------------------
+
+def warmup_steps(warmup_epochs: float, steps_per_epoch: float, total_steps: int) -> int:
+    """Optimizer steps of linear warm-up: the recipe's warm-up epochs, but never more than half
+    of the run, so a short run (2 epochs of a recipe with 5 warm-up epochs) still warms up
+    before it decays instead of losing its warm-up, or its decay, altogether."""
+    return int(min(round(warmup_epochs * steps_per_epoch), total_steps // 2))
+
+
+def lr_factor(step: int, *, total_steps: int, warmup_steps: int, start_factor: float) -> float:
+    """Multiplier of the peak LR at optimizer step `step`: linear from `start_factor` at step 0
+    to 1 at step `warmup_steps` (the first step after warm-up is at the peak), then a cosine to
+    exactly 0 at the last step (total_steps - 1). No warm-up steps: the cosine starts at once."""
+    if step < warmup_steps:
+        return start_factor + (1 - start_factor) * step / warmup_steps
+    span = max(total_steps - 1 - warmup_steps, 1)
+    progress = min((step - warmup_steps) / span, 1.0)
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_schedule(optimizer, *, total_steps: int, warmup_steps: int,
+                start_factor: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per optimizer step: linear warm-up, then cosine to zero (lr_factor)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+        lr_factor, total_steps=total_steps, warmup_steps=warmup_steps,
+        start_factor=start_factor))
+
+
+# --- model and data ------------------------------------------------------------------------------
+
+class ImageClassifier(L.LightningModule):
+    """ResNet with the recipe's loss, optimizer, batch mixing and LR schedule.
+
+    val/loss is plain cross-entropy (no smoothing, whatever the training loss) so that it is
+    comparable across recipes and with `imgclf evaluate`."""
+
+    def __init__(self, arch: str, classes: list[str], recipe: str, lr: float,
+                 warmup_epochs: float, channels_last: bool = False, compile: bool = False,
+                 train_digest: str = ""):
+        super().__init__()
+        self.save_hyperparameters()
+        self.recipe = recipes.get(recipe)
+        n = len(classes)
+        self.model = recipes.build_model(arch, n)
+        if channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.criterion = recipes.build_loss(self.recipe)
+        self.mixer = data.batch_mixer(self.recipe, n)
+        k5 = min(5, n)
+        self.train_acc1 = MulticlassAccuracy(n, top_k=1, average="micro")
+        self.train_acc5 = MulticlassAccuracy(n, top_k=k5, average="micro")
+        self.val_acc1 = MulticlassAccuracy(n, top_k=1, average="micro")
+        self.val_acc5 = MulticlassAccuracy(n, top_k=k5, average="micro")
+        self.val_loss = MeanMetric()
+        self._compiled = None  # not a submodule: keeps checkpoint keys free of `_orig_mod.`
+
+    def on_fit_start(self):
+        if self.hparams.compile and self._compiled is None:
+            object.__setattr__(self, "_compiled", torch.compile(self.model))
+
+    def forward(self, x):
+        if self.hparams.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return (self.model if self._compiled is None else self._compiled)(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        target = y
+        if self.mixer is not None:
+            x, target = self.mixer(x, y)
+        logits = self(x)
+        loss = self.criterion(logits, target)
+        bs = x.shape[0]
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=bs)
+        self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, sync_dist=True,
+                 batch_size=bs)
+        if self.mixer is None:  # accuracy means nothing against mixed targets
+            self.log_dict({"train/acc1": self.train_acc1(logits, y),
+                           "train/acc5": self.train_acc5(logits, y)},
+                          on_step=True, on_epoch=False, batch_size=bs)
+            self.log("train/acc1_epoch", self.train_acc1, on_step=False, on_epoch=True)
+            self.log("train/acc5_epoch", self.train_acc5, on_step=False, on_epoch=True)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"],
+                 on_step=True, on_epoch=False, batch_size=bs)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_loss.update(F.cross_entropy(logits, y), weight=x.shape[0])
+        self.val_acc1.update(logits, y)
+        self.val_acc5.update(logits, y)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True)
+        self.log("val/acc1", self.val_acc1, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/acc5", self.val_acc5, on_step=False, on_epoch=True)
+
+    def configure_optimizers(self):
+        opt = recipes.build_optimizer(self.model, self.recipe, self.hparams.lr)
+        total = int(self.trainer.estimated_stepping_batches)
+        per_epoch = total / max(1, self.trainer.max_epochs)
+        sched = lr_schedule(opt, total_steps=total,
+                            warmup_steps=warmup_steps(self.hparams.warmup_epochs, per_epoch, total),
+                            start_factor=self.recipe.warmup_start_factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["imgclf"] = {"train_digest": self.hparams.train_digest,
+                                "classes": list(self.hparams.classes)}
+
+
+class ImageData(L.LightningDataModule):
+    """Train/val ImageFolders through imgclf.data; Lightning adds the DistributedSampler."""
+
+    def __init__(self, root: str, decoder: str, resolution: int, recipe: str, batch_size: int,
+                 num_workers: int, prefetch_factor: int | None, pin_memory: bool, seed: int):
+        super().__init__()
+        self.root, self.decoder, self.resolution = root, decoder, resolution
+        self.recipe = recipes.get(recipe)
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.prefetch_factor, self.pin_memory, self.seed = prefetch_factor, pin_memory, seed
+        self.train_set = self.val_set = None
+
+    def setup(self, stage=None):
+        if self.train_set is None:
+            self.train_set = data.train_dataset(self.root, self.decoder, self.resolution,
+                                                self.recipe)
+            self.val_set = data.val_dataset(self.root, self.decoder, self.resolution)
+
+    def _loader(self, dataset, train: bool):
+        world = self.trainer.world_size if self.trainer else 1
+        return data.loader(
+            dataset, self.batch_size, self.num_workers, self.prefetch_factor, shuffle=train,
+            seed=self.seed, pin_memory=self.pin_memory, persistent_workers=True,
+            # a ragged last batch of 1 would break BatchNorm; keep it when it is all there is
+            drop_last=train and len(dataset) // world >= self.batch_size)
+
+    def train_dataloader(self):
+        return self._loader(self.train_set, True)
+
+    def val_dataloader(self):
+        return self._loader(self.val_set, False)
+
+
+def class_names(root: str) -> list[str]:
+    from torchvision.datasets.folder import find_classes
+
+    try:
+        train = find_classes(f"{root}/train")[0]
+        val = find_classes(f"{root}/val")[0]
+    except (FileNotFoundError, RuntimeError) as e:
+        raise UserError(f"Data root {root} needs train/<class>/ and val/<class>/ folders ({e}).") \
+            from None
+    if train != val:
+        raise UserError(f"Data root {root}: train/ has {len(train)} classes and val/ has "
+                        f"{len(val)}, or their names differ; both must hold the same classes.")
+    return train
+
+

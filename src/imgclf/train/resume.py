@@ -1,0 +1,114 @@
+"""Whether a training run resumes from last.ckpt, decided once and shared by every rank.
+
+A checkpoint is resumed only if it was written for the same training: same data (root and
+census), model, recipe, `train.*` keys that change what is learned, world, plan and LR, summed
+up in a digest stored in the checkpoint. Global rank 0 decides and the other ranks take its
+decision, so ranks that see a shared file system differently can never split into a resumed
+and a fresh half. Only what means "not a usable checkpoint" starts fresh; an I/O error while
+reading is an error, never a silent restart that moves the old checkpoints aside."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+
+from imgclf import provenance
+
+log = logging.getLogger("imgclf.train")
+
+# Keys that do not change what is learned: editing them keeps last.ckpt resumable.
+RESUME_NEUTRAL = ("save_top_k", "log_every_n_steps", "compile", "cudnn_benchmark",
+                  "limit_val_batches")
+# How the process that decided hands its decision to the ranks Lightning's launcher starts
+# (they inherit its environment).
+DECISION_ENV = "IMGCLF_RESUME_DECISION"
+
+
+def train_digest(params: dict, t: dict, plan, lr: dict, recipe) -> str:
+    """Digest of everything that changes what is learned; last.ckpt resumes only if it matches."""
+    c = params["cluster"]
+    return provenance.digest_obj({
+        "data_root": os.path.normpath(params["data_root"]),
+        "census": params.get("census"),
+        "model": params["model"],
+        "recipe": recipe.as_dict(),
+        "train": {k: v for k, v in t.items() if k not in RESUME_NEUTRAL},
+        "world": [c["accelerator"], c["devices_per_node"], c["nodes"]],
+        "plan": [plan.per_device_batch, plan.accumulate_grad_batches, plan.decoder],
+        "lr": [lr["source"], lr["value"]],
+    })
+
+
+def find_resume(ckpt_dir: Path, digest: str) -> dict:
+    """{"path": last.ckpt or None, "info": its epoch and step, "note": a sentence for the log}."""
+    last = ckpt_dir / "last.ckpt"
+    if not last.is_file():
+        return {"path": None, "info": None, "note": f"no {last}: starting fresh"}
+    try:
+        ckpt = torch.load(last, map_location="cpu", mmap=True, weights_only=True)
+        meta = ckpt.get("imgclf", {})
+        info = {"checkpoint": str(last), "epoch": int(ckpt["epoch"]),
+                "global_step": int(ckpt["global_step"])}
+    except (RuntimeError, EOFError, pickle.UnpicklingError, KeyError, TypeError,
+            AttributeError) as e:  # a truncated, empty or foreign file: not a checkpoint
+        return {"path": None, "info": None,
+                "note": f"{last} is not a usable checkpoint ({type(e).__name__}): starting fresh"}
+    old = meta.get("train_digest") or "unknown"
+    if old != digest:
+        return {"path": None, "info": None,
+                "note": f"{last} was written for another training (digest {old[:12]}, now "
+                        f"{digest[:12]}): starting fresh, old checkpoints move to superseded/"}
+    return {"path": str(last), "info": info,
+            "note": f"resuming from {last} (epoch {info['epoch']}, step {info['global_step']}): "
+                    f"its training digest matches"}
+
+
+def agreed_resume(ckpt_dir: Path, digest: str, backend: str) -> dict:
+    """find_resume as decided by global rank 0, on every rank."""
+    inherited = os.environ.get(DECISION_ENV)
+    if inherited:
+        decision = json.loads(inherited)
+        if decision["decided_by"] == os.getppid() and decision["digest"] == digest:
+            return decision  # a rank Lightning's launcher started from the deciding process
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        return _broadcast_from_rank_zero(lambda: find_resume(ckpt_dir, digest), backend)
+    decision = {**find_resume(ckpt_dir, digest), "decided_by": os.getpid(), "digest": digest}
+    os.environ[DECISION_ENV] = json.dumps(decision)
+    return decision
+
+
+def _broadcast_from_rank_zero(decide, backend: str) -> dict:
+    """srun started every rank at once: join the process group now (Lightning finds it
+    initialised and reuses it) and take rank 0's decision."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    env = SLURMEnvironment()
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank())
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend, init_method=f"tcp://{env.main_address}:{env.main_port}",
+            world_size=env.world_size(), rank=env.global_rank())
+    box = [decide() if env.global_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def supersede(out_dir: Path, part: str) -> None:
+    """Move the previous training's `part` (logs or checkpoints) to superseded/, which keeps
+    one generation: the logs go first (before the Trainer exists: no rank reads them), the
+    checkpoints only once every rank has taken its resume decision."""
+    src, dest = out_dir / part, out_dir / "superseded"
+    if part == "logs":
+        shutil.rmtree(dest, ignore_errors=True)
+    if not src.is_dir() or not any(src.iterdir()):
+        return
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(src), str(dest / part))
+    log.info("moved the previous run's %s to %s", part, dest / part)

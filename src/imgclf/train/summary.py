@@ -1,0 +1,81 @@
+"""After training, on global rank 0: one metrics table over every attempt, the curves, the best
+checkpoint as the stage's model, and train_summary.json."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from imgclf import plots, provenance
+
+def merge_metrics(csv_root: Path):
+    """One table over all attempts of this run: each attempt's rows up to where the next
+    attempt resumed (the epoch a killed attempt had started is redone by the next)."""
+    import pandas as pd
+
+    attempts = []
+    for d in sorted(csv_root.glob("version_*"), key=lambda d: int(d.name.split("_")[-1])):
+        start = None
+        if (d / "attempt.json").is_file():
+            start = provenance.read_json(d / "attempt.json")["start_epoch"]
+        frame = pd.read_csv(d / "metrics.csv") if (d / "metrics.csv").is_file() else None
+        if start is not None or frame is not None:
+            attempts.append((start, frame))
+    frames = []
+    for i, (start, frame) in enumerate(attempts):
+        if frame is None:
+            continue
+        later = [s for s, _ in attempts[i + 1:] if s is not None]
+        if later:
+            frame = frame[frame["epoch"] < later[0]]
+        frames.append(frame)
+    if not frames:
+        return pd.DataFrame(columns=["epoch", "step"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def copy_atomic(src, dst) -> None:
+    with provenance.atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
+
+
+
+def keep_best(checkpoint_callback, out_dir: Path) -> dict:
+    """Copy the best checkpoint to best.ckpt; return its score, epoch and origin."""
+    best_path = checkpoint_callback.best_model_path
+    if not best_path or not Path(best_path).is_file():
+        raise RuntimeError(f"training finished without a best checkpoint in {out_dir}")
+    epoch = int(torch.load(best_path, map_location="cpu", mmap=True, weights_only=True)["epoch"])
+    copy_atomic(best_path, out_dir / "best.ckpt")
+    return {"val_acc1": float(checkpoint_callback.best_model_score), "epoch": epoch,
+            "checkpoint": str(out_dir / "best.ckpt"), "copied_from": best_path}
+
+
+def results(metrics, throughput) -> dict:
+    """Final validation figures, top-1 per epoch and images/s over every attempt."""
+    def last(column):
+        s = plots.per_epoch(metrics, column)
+        return None if s is None else float(s.iloc[-1])
+
+    val = plots.per_epoch(metrics, "val/acc1")
+    ep = throughput.epochs
+    images, secs = sum(e["images"] for e in ep), sum(e["seconds"] for e in ep)
+    return {
+        "final": {"val_acc1": last("val/acc1"), "val_acc5": last("val/acc5"),
+                  "val_loss": last("val/loss")},
+        "val_acc1_by_epoch": None if val is None else [round(float(v), 5) for v in val.values],
+        "images_per_s": round(images / secs, 1) if secs else None,
+        "images_per_s_by_epoch": ep,
+        "train_seconds": round(secs, 2),
+    }
+
+
+def write_outputs(out_dir: Path, csv_root: Path, epochs: int, total_steps: int) -> object:
+    """metrics.csv and curves.png from every attempt's CSV log; returns the metrics table."""
+    metrics = merge_metrics(csv_root)
+    with provenance.atomic_path(out_dir / "metrics.csv") as tmp:
+        metrics.to_csv(tmp, index=False)
+    plots.train_curves(metrics, max(1, total_steps // epochs), out_dir / "curves.png")
+    return metrics
