@@ -79,8 +79,10 @@ def checkpoint(demo_root, tmp_path_factory) -> Path:
 
 def write_memory(tmp: Path) -> Path:
     m = tmp / "memory.json"
-    m.write_text(json.dumps({"per_device_batch": 64, "accumulate_grad_batches": 1,
-                             "global_batch": 128, "num_workers": 0, "prefetch_factor": 2,
+    m.write_text(json.dumps({"cluster": "local", "per_device_batch": 64,
+                             "accumulate_grad_batches": 1, "global_batch": 128,
+                             "devices_per_node": 2, "nodes": 1, "num_workers": 0,
+                             "prefetch_factor": 2,
                              "decoder": "pil", "method": "estimated", "accelerator": "cpu"}))
     return m
 
@@ -147,6 +149,6 @@ def test_user_errors(demo_root, checkpoint, tmp_path):
     p["model"]["arch"] = "resnet50"
     with pytest.raises(UserError, match="holds a resnet18 but `model.arch` is resnet50"):
         evaluate.run(p, memory, checkpoint, tmp_path / "e.json", tmp_path / "e.png")
-    with pytest.raises(UserError, match="Unknown key"):
+    with pytest.raises(UserError, match="unknown key 'batch' in `evaluate`"):
         evaluate.run(params(demo_root, batch=3), memory, checkpoint, tmp_path / "e.json",
                      tmp_path / "e.png")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import BIN, REPO, copy_workflow, snakemake
 
@@ -159,15 +161,26 @@ def test_profiles_resolve_without_error(tmp_path):
         assert "check_hydration" in res.stdout
 
 
+STAGE_COMMANDS = ("demo-data", "check-hydration", "benchmark-loader", "solve-memory", "lr-find",
+                  "lr-summary", "train", "evaluate", "provenance")
+
+
 def test_cli_has_help_for_every_stage():
+    """Every sub-command the parser has is listed in `imgclf --help` and answers `--help` with
+    its own usage line; the list is the workflow's stages, nothing missing or extra."""
+    import argparse
+
+    from imgclf import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert tuple(sub.choices) == STAGE_COMMANDS
     res = subprocess.run([str(BIN / "imgclf"), "--help"], capture_output=True, text=True)
     assert res.returncode == 0
-    commands = [c for c in ("demo-data", "check-hydration", "provenance") if c in res.stdout]
-    assert len(commands) == 3
-    for command in commands:
-        sub = subprocess.run([str(BIN / "imgclf"), command, "--help"], capture_output=True,
-                             text=True)
-        assert sub.returncode == 0 and "usage:" in sub.stdout
+    for command in STAGE_COMMANDS:
+        assert re.search(rf"^\s+{command}\b", res.stdout, re.M), command
+        h = subprocess.run([str(BIN / "imgclf"), command, "--help"], capture_output=True,
+                           text=True)
+        assert h.returncode == 0 and h.stdout.startswith(f"usage: imgclf {command}"), command
 
 
 def test_cli_reports_user_error_without_traceback():
@@ -175,3 +188,39 @@ def test_cli_reports_user_error_without_traceback():
                          capture_output=True, text=True)
     assert res.returncode == 1
     assert "Unknown cluster 'g6'" in res.stderr and "Traceback" not in res.stderr
+
+
+def documented_defaults() -> dict:
+    """{(section, key): default text} from the `| key | default | meaning |` tables of
+    config/README.md (section None: the top level)."""
+    section, found = None, {}
+    for line in (REPO / "config" / "README.md").read_text().splitlines():
+        heading = re.match(r"^## `(\w+)`", line)
+        if heading:
+            section = heading.group(1)
+        elif line.startswith("## "):
+            section = None
+        row = re.match(r"^\| `(\w+)` \| `(.*?)` \|", line)
+        if row:
+            found[(section, row.group(1))] = row.group(2)
+    return found
+
+
+def test_documented_defaults_are_the_schemas():
+    """config/README.md shows every key of every section with the schema's default: the schema
+    is the one source, and the documentation cannot drift from it."""
+    from imgclf import settings
+
+    schema = settings.schema()
+    expected = {(None, "cluster"): schema["properties"]["cluster"]["default"]}
+    for section, sub in schema["properties"].items():
+        for key, prop in sub.get("properties", {}).items():
+            if "default" in prop:
+                expected[(section, key)] = prop["default"]
+    documented = documented_defaults()
+    assert set(documented) == set(expected)
+    for where, value in expected.items():
+        shown = yaml.safe_load(documented[where])
+        if isinstance(value, dict):  # a nested object: its own properties carry the defaults
+            value = settings.validate({}, where[0])[where[1]]
+        assert shown == value or str(shown) == str(value), (where, documented[where], value)

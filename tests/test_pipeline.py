@@ -1,4 +1,5 @@
-"""The training stage through Snakemake: a killed training job resumes on the next run."""
+"""The training stage through Snakemake: a killed training job resumes on the next run, a
+finished one is not retrained, and another training starts fresh with the old one set aside."""
 
 from __future__ import annotations
 
@@ -64,3 +65,15 @@ def test_killed_training_resumes_from_last_checkpoint(workflow_copy):
     metrics = pd.read_csv(workflow_copy / "results/train/local/metrics.csv")
     epochs = metrics.dropna(subset=["val/acc1"])["epoch"].tolist()
     assert epochs == [0, 1, 2, 3, 4]  # every epoch validated exactly once
+    assert [e["epoch"] for e in summary["images_per_s_by_epoch"]] == [0, 1, 2, 3, 4]
+
+    # Another training (a new seed): its digest differs, so it starts fresh, says why, and
+    # keeps the previous checkpoints in superseded/ instead of resuming from them.
+    (workflow_copy / "resume.yaml").write_text(RESUME.replace("lr_source: recipe",
+                                                              "lr_source: recipe, seed: 1"))
+    other = snakemake(workflow_copy, *target)
+    assert other.returncode == 0, other.stdout[-3000:] + other.stderr[-3000:]
+    fresh = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
+    assert fresh["resumed_from"] is None and "another training" in fresh["resume_note"]
+    assert fresh["attempts"] == 1 and fresh["seed"] == 1
+    assert (workflow_copy / "results/train/local/superseded/checkpoints/last.ckpt").is_file()

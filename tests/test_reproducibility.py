@@ -1,4 +1,4 @@
-"""Reproducibility (issue 7): provenance in every artifact, exact change propagation, the
+"""Reproducibility: provenance in every artifact, exact change propagation, the
 hydration hand-off, two complete CPU runs that agree, the HTML report, lint and format.
 
 One complete demo run at a reduced cost (REDUCED) is shared by the tests that read it. A test
@@ -122,6 +122,12 @@ CONFIG_CASES = {
     "model.arch (not timed by the loader)": ("model: {arch: resnet34}", MEMORY),
     "lr_finder: one range test": ("lr_finder: {num_iter: 30}", LR),
     "lr_finder: aggregation": ("lr_finder: {scaling: sqrt}", LR_SUMMARY),
+    # how a finished curve is read is the summary's: never a range test again
+    "lr_finder: suggestion": ("lr_finder: {suggestion: valley}", LR_SUMMARY),
+    "lr_finder: skip_start": ("lr_finder: {skip_start: 4}", LR_SUMMARY),
+    "lr_finder: skip_end": ("lr_finder: {skip_end: 3}", LR_SUMMARY),
+    "lr_finder: gradient": ("lr_finder: {gradient: index}", LR_SUMMARY),
+    "lr_finder: until_minimum": ("lr_finder: {until_minimum: false}", LR_SUMMARY),
     "train": ("train: {epochs: 3}", TRAIN),
     "evaluate": ("evaluate: {top_confused: 5}", EVAL),
     "hardware: g5 entry": ("clusters: {g5: {gpu_memory_gb: 48}}", set()),
@@ -142,14 +148,16 @@ def test_config_edit_plans_exactly_its_dependents(demo_run, tmp_path, case):
 
 
 CODE_CASES = {
-    "hydration.py": ("hydration", (), HYDRATION),
-    "loader_bench.py": ("loader_bench", (), LOADER),
-    "memory.py": ("memory", (), MEMORY),
-    "lr_find.py": ("lr_find", (), LR),
-    "evaluate.py": ("evaluate", (), EVAL),
-    "report_tables.py": ("report_tables", (), TABLES | {"all"}),
+    "hydration.py": ("hydration.py", (), HYDRATION),
+    "loader_bench/timing.py": ("loader_bench/timing.py", (), LOADER),
+    "memory/solve.py": ("memory/solve.py", (), MEMORY),
+    "lr_find.py": ("lr_find.py", (), LR),
+    "plan.py (read by the LR runs and after)": ("plan.py", (), LR),
+    "train/module.py": ("train/module.py", (), TRAIN),
+    "evaluate.py": ("evaluate.py", (), EVAL),
+    "report_tables.py": ("report_tables.py", (), TABLES | {"all"}),
     # the stages up to the LR summary do not run evaluate.py
-    "evaluate.py, unrelated to the LR summary": ("evaluate", ("results/lr/local_summary.json",),
+    "evaluate.py, unrelated to the LR summary": ("evaluate.py", ("results/lr/local_summary.json",),
                                                  set()),
 }
 
@@ -158,7 +166,7 @@ CODE_CASES = {
 def test_code_edit_plans_its_stage_and_dependents(demo_run, case):
     """Edits the workflow copy's own src/imgclf (the rules' code inputs), never the repository."""
     module, targets, expected = CODE_CASES[case]
-    path = demo_run / "src" / "imgclf" / f"{module}.py"
+    path = demo_run / "src" / "imgclf" / module
     backup = path.with_name(path.name + ".orig")
     shutil.copy2(path, backup)
     try:
@@ -168,6 +176,26 @@ def test_code_edit_plans_its_stage_and_dependents(demo_run, case):
         shutil.copy2(backup, path)  # content and mtime: the run is as before
         backup.unlink()
     assert plan(demo_run, *targets) == set()
+
+
+def reversed_keys(value):
+    if isinstance(value, dict):
+        return {k: reversed_keys(value[k]) for k in reversed(list(value))}
+    return value
+
+
+def test_same_config_in_another_key_order_plans_nothing(demo_run):
+    """config/config.yaml rewritten by a YAML round trip that lists every key in another order
+    (same values): no job is planned, not even the demo data (a full retraining on a cluster)."""
+    cfg = demo_run / "config" / "config.yaml"
+    original = cfg.read_text()
+    data = yaml.safe_load(original)
+    try:
+        cfg.write_text(yaml.safe_dump(reversed_keys(data), sort_keys=False))
+        assert list(yaml.safe_load(cfg.read_text())) != list(data)
+        assert plan(demo_run) == set()
+    finally:
+        cfg.write_text(original)
 
 
 # --- the hydration hand-off -------------------------------------------------------------------
@@ -317,7 +345,7 @@ def test_two_complete_runs_agree_on_the_cpu(demo_run, tmp_path):
     choice = ("decoder", "num_workers", "prefetch_factor")
     c1, c2 = (json.loads((r / "loader/local.json").read_text())["choice"] for r in (one, two))
     assert [c1[k] for k in choice] == [c2[k] for k in choice]
-    for key in ("per_device_batch", "accumulate_grad_batches", "lr_finder_batch", "num_workers",
+    for key in ("per_device_batch", "accumulate_grad_batches", "global_batch", "num_workers",
                 "decoder", "breakdown"):
         assert stable(one / "memory/local.json")[key] == stable(two / "memory/local.json")[key]
     for run in ("run0", "run1"):

@@ -314,3 +314,26 @@ def test_ddp_two_gloo_processes_through_cli(demo_root, tmp_path):
     assert "\r" not in text and "\r" not in res.stderr
     for written in (out / "train_summary.json", out / "best.ckpt", out / "checkpoints/last.ckpt"):
         assert written.stat().st_mode & 0o777 == 0o666 & ~UMASK, written
+
+
+def test_published_recipe_trains_with_its_weight_average_and_sampler(demo_root, tmp_path):
+    """torchvision_v2 through `imgclf train` on 2 gloo ranks: repeated augmentation (its own
+    distributed sampler), MixUp/CutMix and the moving average of the weights all run, and the
+    checkpoint holds the average as the model (what `imgclf evaluate` loads) beside the live
+    weights."""
+    out = tmp_path / "out"
+    cfg = {"epochs": 2, "limit_train_batches": 2, "limit_val_batches": 1}
+    params, memory, lr_summary = write_inputs(tmp_path, demo_root, cfg, batch=16,
+                                              recipe="torchvision_v2", resolution=16)
+    res = subprocess.run(cli_train(params, memory, lr_summary, out), capture_output=True,
+                         text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((out / "train_summary.json").read_text())
+    assert s["completed"] and s["world_size"] == 2
+    assert s["recipe"]["repeated_aug"] == 4 and s["recipe"]["ema_decay"] == 0.99998
+    assert s["schedule"]["warmup_steps"] == 2  # 5 warm-up epochs capped at half of 2 x 2 steps
+    ckpt = torch.load(out / "best.ckpt", map_location="cpu", weights_only=True)
+    assert "current_model_state" in ckpt  # the live weights, beside the average
+    live = ckpt["current_model_state"]
+    averaged = {k: v for k, v in ckpt["state_dict"].items() if k in live}
+    assert any(not torch.equal(v, live[k]) for k, v in averaged.items() if v.is_floating_point())

@@ -1,6 +1,6 @@
 """The training and validation input pipelines, in two real decode paths.
 
-`pil`: PIL decode + torchvision transforms on PIL images (the classic pipeline).
+`pil`: PIL decode + torchvision transforms v2 on PIL images (the classic pipeline).
 `tensor`: torchvision.io.decode_jpeg (libjpeg-turbo) + transforms.v2 on uint8 tensors.
 The loader benchmark, the memory solve, the LR finder and training all build their
 data through this module, so what is measured is what trains."""
@@ -8,7 +8,7 @@ data through this module, so what is measured is what trains."""
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import datasets
 
 from imgclf.errors import UserError
@@ -16,6 +16,7 @@ from imgclf.errors import UserError
 DECODERS = ("pil", "tensor")
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
+MEAN_FILL = tuple(round(255 * m) for m in MEAN)  # uint8 fill of geometric augmentations
 
 
 def read_tensor_image(path: str) -> torch.Tensor:
@@ -25,40 +26,67 @@ def read_tensor_image(path: str) -> torch.Tensor:
     return decode_image(read_file(path), mode=ImageReadMode.RGB)
 
 
-def train_transform(decoder: str, resolution: int, crop_scale_min: float = 0.08,
-                    hflip: float = 0.5):
-    if decoder == "pil":
-        from torchvision import transforms as T
-
-        return T.Compose([
-            T.RandomResizedCrop(resolution, scale=(crop_scale_min, 1.0)),
-            T.RandomHorizontalFlip(hflip),
-            T.ToTensor(),
-            T.Normalize(MEAN, STD),
-        ])
-    if decoder == "tensor":
-        from torchvision.transforms import v2
-
-        return v2.Compose([
-            v2.RandomResizedCrop(resolution, scale=(crop_scale_min, 1.0), antialias=True),
-            v2.RandomHorizontalFlip(hflip),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(MEAN, STD),
-        ])
-    raise UserError(f"Unknown decode path {decoder!r}: choose one of {', '.join(DECODERS)}.")
-
-
-def val_transform(decoder: str, resolution: int):
-    resize = int(round(resolution / 0.875))
-    if decoder == "pil":
-        from torchvision import transforms as T
-
-        return T.Compose([T.Resize(resize), T.CenterCrop(resolution), T.ToTensor(),
-                          T.Normalize(MEAN, STD)])
+def _pixels(decoder: str) -> list:
+    """The decode path's tail: PIL images become uint8 tensors here (the `pil` path augments on
+    PIL images, as torchvision's reference does), then both paths scale and normalise."""
     from torchvision.transforms import v2
 
-    return v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(resolution),
-                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+    if decoder not in DECODERS:
+        raise UserError(f"Unknown decode path {decoder!r}: choose one of {', '.join(DECODERS)}.")
+    return ([v2.PILToTensor()] if decoder == "pil" else []) + [
+        v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]
+
+
+def auto_augment(recipe):
+    """The recipe's automatic augmentation (torchvision transforms v2), or None. Its rotations
+    and shears interpolate bilinearly, whatever the recipe's resize interpolation: uint8
+    tensors support only nearest and bilinear there (torchvision's reference passes bilinear)."""
+    from torchvision.transforms import v2
+
+    interpolation = v2.InterpolationMode.BILINEAR
+    if recipe.auto_augment == "trivialaugment":
+        return v2.TrivialAugmentWide(interpolation=interpolation)
+    if recipe.auto_augment == "randaugment-m7":
+        # timm's rand-m7 is magnitude 7 on a 0..10 scale: torchvision's magnitude indexes
+        # linspace(0, max, num_magnitude_bins), so 11 bins put 7 at 0.7 of each op's maximum
+        # (the default 31 bins would make it 7/30). timm fills with the mean pixel.
+        return v2.RandAugment(num_ops=2, magnitude=7, num_magnitude_bins=11,
+                              interpolation=interpolation, fill=MEAN_FILL)
+    return None
+
+
+def train_transform(decoder: str, resolution: int, recipe):
+    """RandomResizedCrop at the recipe's train size, flip, its auto augmentation, then tensor,
+    normalisation and its RandomErasing: one transforms-v2 pipeline for both decode paths."""
+    from torchvision.transforms import v2
+
+    ops = [v2.RandomResizedCrop(recipe.train_size(resolution), scale=(recipe.crop_scale_min, 1.0),
+                                interpolation=v2.InterpolationMode(recipe.interpolation),
+                                antialias=True),
+           v2.RandomHorizontalFlip(recipe.hflip)]
+    augment = auto_augment(recipe)
+    if augment is not None:
+        ops.append(augment)
+    ops += _pixels(decoder)
+    if recipe.random_erase > 0:
+        ops.append(v2.RandomErasing(p=recipe.random_erase))
+    return v2.Compose(ops)
+
+
+def val_transform(decoder: str, resolution: int, recipe=None):
+    """Resize the shorter side and center-crop `resolution`: the recipe's val_sizes, or without
+    a recipe the classic crop of 87.5 %."""
+    from torchvision.transforms import v2
+
+    from imgclf import recipes
+
+    if recipe is None:
+        (resize, crop), interpolation = recipes.val_sizes(resolution), "bilinear"
+    else:
+        (resize, crop), interpolation = recipe.val_sizes(resolution), recipe.interpolation
+    return v2.Compose([v2.Resize(resize, interpolation=v2.InterpolationMode(interpolation),
+                                 antialias=True),
+                       v2.CenterCrop(crop), *_pixels(decoder)])
 
 
 def image_folder(root: str, split: str, decoder: str, transform) -> datasets.ImageFolder:
@@ -67,12 +95,13 @@ def image_folder(root: str, split: str, decoder: str, transform) -> datasets.Ima
 
 
 def train_dataset(root: str, decoder: str, resolution: int, recipe) -> datasets.ImageFolder:
-    return image_folder(root, "train", decoder,
-                        train_transform(decoder, resolution, recipe.crop_scale_min, recipe.hflip))
+    """Training images at the recipe's train size (`recipe.train_size(resolution)`)."""
+    return image_folder(root, "train", decoder, train_transform(decoder, resolution, recipe))
 
 
-def val_dataset(root: str, decoder: str, resolution: int) -> datasets.ImageFolder:
-    return image_folder(root, "val", decoder, val_transform(decoder, resolution))
+def val_dataset(root: str, decoder: str, resolution: int, recipe=None) -> datasets.ImageFolder:
+    """Validation images at `resolution`, resized as the recipe says (None: crop 87.5 %)."""
+    return image_folder(root, "val", decoder, val_transform(decoder, resolution, recipe))
 
 
 def loader(dataset, batch_size: int, num_workers: int, prefetch_factor: int | None,
@@ -87,6 +116,45 @@ def loader(dataset, batch_size: int, num_workers: int, prefetch_factor: int | No
         persistent_workers=persistent_workers and num_workers > 0,
         pin_memory=pin_memory, drop_last=drop_last, generator=generator,
     )
+
+
+class RepeatedAugSampler(DistributedSampler):
+    """Repeated augmentation (Hoffer et al. 2020; DeiT's RASampler, torchvision's
+    references/classification/sampler.py): each epoch draws a shuffled prefix of the data set
+    with every image repeated `reps` times in a row, dealt round-robin to the ranks, so the
+    copies of an image land on different ranks (when reps <= world) and are augmented
+    differently; an epoch stays ceil(len(dataset) / num_replicas) images per rank, i.e. about
+    len(dataset) / reps distinct images per epoch.
+
+    The sampling is timm's maintained `timm.data.distributed_sampler.RepeatAugSampler`, with
+    `selected_round=0` (timm and torchvision round the data set down to a multiple of 256
+    first, which drops 232 of a 1,000-image set) and its epoch seed offset by `seed`. It is
+    a DistributedSampler so that Lightning uses it as it is instead of wrapping it in a
+    DistributedSamplerWrapper; Lightning calls `set_epoch` every epoch."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True,
+                 seed: int = 0, reps: int = 3):
+        from timm.data.distributed_sampler import RepeatAugSampler
+
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                         seed=seed, drop_last=False)
+        if int(reps) < 1:
+            raise ValueError(f"reps is {reps}: at least 1 copy of each image")
+        self.reps = int(reps)
+        self._sampler = RepeatAugSampler(dataset, num_replicas=num_replicas, rank=rank,
+                                         shuffle=shuffle, num_repeats=self.reps,
+                                         selected_round=0)
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._sampler.set_epoch(self.seed + epoch)
+
+    def __iter__(self):
+        return iter(self._sampler)
+
+    def __len__(self) -> int:
+        return len(self._sampler)
 
 
 def batch_mixer(recipe, num_classes: int):

@@ -148,7 +148,8 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
     plan = Plan.read(memory_path, cluster["name"])
     ckpt = load_checkpoint(checkpoint)
     classes = list(ckpt["hyper_parameters"]["classes"])
-    dataset = data.val_dataset(params["data_root"], plan.decoder, int(model_cfg["resolution"]))
+    dataset = data.val_dataset(params["data_root"], plan.decoder, int(model_cfg["resolution"]),
+                               recipes.get(model_cfg["recipe"]))
     if dataset.classes != classes:
         raise UserError(f"{params['data_root']}/val has classes {dataset.classes[:5]}... but the "
                         f"checkpoint was trained on {classes[:5]}...: evaluate on the same data.")

@@ -140,7 +140,7 @@ def find(root: str, model: dict, plan: Plan, cfg: dict, run: int,
     device = _device(run)
     amp = _amp(model["precision"], device)
     train_set = data.train_dataset(root, plan.decoder, model["resolution"], recipe)
-    net = recipes.build_model(model["arch"], len(train_set.classes))
+    net = recipes.build_model(model["arch"], len(train_set.classes), recipe.drop_path)
     if model["channels_last"]:
         net = net.to(memory_format=torch.channels_last)
     net = net.to(device)

@@ -1,11 +1,11 @@
-"""Named training recipes and the model, loss, optimizer and LR schedule they build.
+"""Named training recipes and the model, loss and optimizer they build (the LR schedule is
+train/module.py's).
 
 The LR finder, the memory solve and training all call these functions, so the LR that is
 found is found for exactly the model, loss and optimizer that train."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -14,6 +14,14 @@ from torch import nn
 from imgclf.errors import UserError
 
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101")
+AUTO_AUGMENTS = (None, "trivialaugment", "randaugment-m7")
+INTERPOLATIONS = ("bilinear", "bicubic")
+DEFAULT_VAL_CROP_PCT = 0.875  # the classic 224/256
+
+
+def val_sizes(resolution: int, crop_pct: float = DEFAULT_VAL_CROP_PCT) -> tuple[int, int]:
+    """(resize, crop): resize the shorter side to round(resolution / crop_pct), crop resolution."""
+    return int(round(resolution / crop_pct)), int(resolution)
 
 
 @dataclass(frozen=True)
@@ -37,10 +45,43 @@ class Recipe:
     cutmix_alpha: float = 0.0
     crop_scale_min: float = 0.08
     hflip: float = 0.5
+    auto_augment: str | None = None   # None, "trivialaugment" or "randaugment-m7" (AUTO_AUGMENTS)
+    random_erase: float = 0.0         # RandomErasing probability, after normalisation
+    ema_decay: float | None = None    # EMA of the weights (train/ema.py); None: no EMA
+    ema_steps: int | None = None      # optimizer steps between EMA updates (with ema_decay)
+    repeated_aug: int = 1             # repeated augmentation: copies of each image per epoch
+    train_crop_scale: float = 1.0     # train crop = round(model.resolution * this)
+    val_crop_pct: float = DEFAULT_VAL_CROP_PCT  # val resize = round(model.resolution / this)
+    interpolation: str = "bilinear"   # resize interpolation of train crops and val resize
+    drop_path: float = 0.0            # stochastic depth rate (> 0: timm's ResNet, build_model)
+    top1: float | None = None         # published ImageNet-1k top-1 (%) of the source, if any
 
-    def reference_lr(self, global_batch: int) -> float:
-        """The recipe's own LR at `global_batch`, linearly scaled from `ref_batch`."""
-        return self.lr * global_batch / self.ref_batch
+    def __post_init__(self):
+        problems = []
+        if self.auto_augment not in AUTO_AUGMENTS:
+            problems.append(f"auto_augment {self.auto_augment!r} is not one of {AUTO_AUGMENTS}")
+        if (self.ema_decay is None) != (self.ema_steps is None):
+            problems.append("ema_decay and ema_steps are set together or not at all")
+        elif self.ema_decay is not None and not (0 < self.ema_decay < 1 and self.ema_steps >= 1):
+            problems.append("EMA needs 0 < ema_decay < 1 and ema_steps >= 1")
+        if self.repeated_aug < 1:
+            problems.append("repeated_aug is >= 1 (1: off)")
+        if not 0 <= self.random_erase <= 1 or not 0 <= self.drop_path < 1:
+            problems.append("random_erase is in [0, 1] and drop_path in [0, 1)")
+        if self.train_crop_scale <= 0 or not 0 < self.val_crop_pct <= 1:
+            problems.append("train_crop_scale is > 0 and val_crop_pct in (0, 1]")
+        if self.interpolation not in INTERPOLATIONS:
+            problems.append(f"interpolation is one of {INTERPOLATIONS}")
+        if problems:
+            raise ValueError(f"Recipe {self.name!r}: " + "; ".join(problems))
+
+    def train_size(self, resolution: int) -> int:
+        """Side of the RandomResizedCrop at the configured `model.resolution`."""
+        return int(round(resolution * self.train_crop_scale))
+
+    def val_sizes(self, resolution: int) -> tuple[int, int]:
+        """(resize of the shorter side, center crop) of validation at `model.resolution`."""
+        return val_sizes(resolution, self.val_crop_pct)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -56,23 +97,52 @@ RECIPES = {
         crop_scale_min=0.6, hflip=0.0,  # digits are not mirror-symmetric
     ),
     "goyal": Recipe(
-        name="goyal", source="Goyal et al. 2017, Accurate, Large Minibatch SGD (arXiv:1706.02677)",
+        name="goyal",
+        source="Goyal et al. 2017, Accurate, Large Minibatch SGD (arXiv:1706.02677), ResNet-50 "
+               "76.4 % top-1 (23.60 % error at batch 256). Left out: the paper's step decay "
+               "(/10 at epochs 30, 60, 80) is replaced by this project's cosine, and the last BN "
+               "of each residual block is not zero-initialised.",
         optimizer="sgd", lr=0.1, ref_batch=256, target_global_batch=256, epochs=90,
-        warmup_epochs=5, weight_decay=1e-4,
+        warmup_epochs=5, weight_decay=1e-4, top1=76.4,
     ),
     "torchvision_v2": Recipe(
         name="torchvision_v2",
-        source="torchvision ResNet-50 IMAGENET1K_V2 recipe (80.9 % top-1), "
-               "pytorch.org/blog/how-to-train-state-of-the-art-models-using-torchvision-latest-primitives",
+        source="torchvision ResNet-50 IMAGENET1K_V2 recipe (80.858 % top-1): "
+               "pytorch.org/blog/how-to-train-state-of-the-art-models-using-torchvision-latest-"
+               "primitives and github.com/pytorch/vision/issues/3995#issuecomment-1013906621 "
+               "(references/classification/train.py: 8 GPUs x 128, --lr 0.5 cosine, 5 linear "
+               "warm-up epochs, --auto-augment ta_wide --random-erase 0.1 --weight-decay 2e-5 "
+               "--norm-weight-decay 0 --label-smoothing 0.1 --mixup-alpha 0.2 --cutmix-alpha 1.0 "
+               "--train-crop-size 176 --val-resize-size 232 --model-ema (steps 32, decay 0.99998) "
+               "--ra-sampler --ra-reps 4). Left out: the warm-up ramps per step (torchvision: per "
+               "epoch); the EMA counts optimizer steps over the run (torchvision: batches of each "
+               "epoch); a repeated-augmentation epoch is len/world images (torchvision's RASampler "
+               "rounds the data set down to a multiple of 256); the classifier bias gets no weight "
+               "decay (torchvision exempts norm layers only).",
         optimizer="sgd", lr=0.5, ref_batch=1024, target_global_batch=1024, epochs=600,
         warmup_epochs=5, weight_decay=2e-5, norm_weight_decay=0.0, label_smoothing=0.1,
-        mixup_alpha=0.2, cutmix_alpha=1.0,
+        mixup_alpha=0.2, cutmix_alpha=1.0, auto_augment="trivialaugment", random_erase=0.1,
+        ema_decay=0.99998, ema_steps=32, repeated_aug=4, train_crop_scale=176 / 224,
+        val_crop_pct=224 / 232, top1=80.858,
     ),
     "rsb_a2": Recipe(
-        name="rsb_a2", source="ResNet Strikes Back, procedure A2 (Wightman et al. 2021, "
-                              "arXiv:2110.00476), 79.8 % top-1",
+        name="rsb_a2",
+        source="ResNet Strikes Back, procedure A2 (Wightman, Touvron, Jegou 2021, "
+               "arXiv:2110.00476, Table 1; timm resnet50.a2_in1k), 79.8 % top-1: LAMB 5e-3 at "
+               "2048, wd 0.02, 300 epochs, 5 warm-up, BCE, mixup 0.1, cutmix 1.0, RandAugment "
+               "rand-m7-mstd0.5-inc1, 3 repeated augmentations, stochastic depth 0.05, test crop "
+               "ratio 0.95 at 224, bicubic; timm exempts norm layers and biases from weight "
+               "decay. Left out: "
+               "torchvision's RandAugment (2 ops, magnitude 7 of 10) has no magnitude noise (timm "
+               "mstd 0.5), applies every chosen op (timm: each with p 0.5), and its op set lacks "
+               "timm's Invert and SolarizeAdd and adds Identity; train crops are always bicubic "
+               "(timm's default picks bilinear or bicubic at random); a repeated-augmentation "
+               "epoch is len/world images (timm rounds the data set down to a multiple of 256); "
+               "the warm-up starts at 1 % of the peak LR (timm's default warmup-lr: 1e-5).",
         optimizer="lamb", lr=5e-3, ref_batch=2048, target_global_batch=2048, epochs=300,
-        warmup_epochs=5, weight_decay=0.02, loss="bce", mixup_alpha=0.1, cutmix_alpha=1.0,
+        warmup_epochs=5, weight_decay=0.02, norm_weight_decay=0.0, loss="bce", mixup_alpha=0.1,
+        cutmix_alpha=1.0, auto_augment="randaugment-m7", repeated_aug=3, val_crop_pct=0.95,
+        interpolation="bicubic", drop_path=0.05, top1=79.8,
     ),
 }
 
@@ -84,12 +154,22 @@ def get(name: str) -> Recipe:
     return RECIPES[name]
 
 
-def build_model(arch: str, num_classes: int) -> nn.Module:
-    import torchvision
-
+def build_model(arch: str, num_classes: int, drop_path: float = 0.0) -> nn.Module:
+    """torchvision's ResNet; with stochastic depth (drop_path > 0), timm's ResNet of the same
+    name, which is the same ResNet-B with the same parameter names and shapes (so its
+    state_dict loads into torchvision's, where drop path is the identity at eval anyway) but
+    drop path in every residual block (rate rising linearly to `drop_path`) and the last BN of
+    each block zero-initialised, as timm (and so ResNet Strikes Back) trains it."""
     if arch not in ARCHS:
         raise UserError(f"Unknown model {arch!r} (config key `model.arch`): choose one of "
                         f"{', '.join(ARCHS)}.")
+    if drop_path > 0:
+        import timm
+
+        return timm.create_model(arch, pretrained=False, num_classes=num_classes,
+                                 drop_path_rate=drop_path)
+    import torchvision
+
     return getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
 
 
@@ -131,20 +211,3 @@ def optimizer_state_floats_per_param(recipe: Recipe) -> int:
     """Optimizer state per parameter, in float32 values (SGD momentum: 1; LAMB: 2 moments)."""
     return 2 if recipe.optimizer == "lamb" else (1 if recipe.momentum else 0)
 
-
-def lr_factor(step: int, *, steps_per_epoch: int, total_steps: int, warmup_epochs: int,
-              start_factor: float) -> float:
-    """Multiplier of the peak LR at optimizer step `step`.
-
-    Epochs 0 .. warmup_epochs-1 are warm-up: linear from `start_factor` at step 0 to 1 at the
-    start of epoch warmup_epochs-1, held there to the end of warm-up; then cosine to exactly 0
-    at the last step (total_steps - 1)."""
-    ramp_end = max(warmup_epochs - 1, 0) * steps_per_epoch
-    cos_start = warmup_epochs * steps_per_epoch
-    if step < ramp_end:
-        return start_factor + (1 - start_factor) * step / ramp_end
-    if step < cos_start:
-        return 1.0
-    span = max(total_steps - 1 - cos_start, 1)
-    progress = min((step - cos_start) / span, 1.0)
-    return 0.5 * (1 + math.cos(math.pi * progress))

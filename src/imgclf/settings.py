@@ -31,14 +31,14 @@ def describe_validation_error(err) -> str:
                 f"(allowed: {', '.join(allowed)}).")
     if err.validator in ("minimum", "exclusiveMinimum"):
         return f"Config error: `{where}` is {err.instance!r} but must be positive ({err.message})."
-    if err.validator == "oneOf":
-        forms = " or ".join(_describe_form(s) for s in err.schema["oneOf"])
+    if err.validator in ("anyOf", "oneOf"):
+        forms = " or ".join(_describe_form(s) for s in err.schema[err.validator])
         return f"Config error: `{where}` = {err.instance!r} is not valid here (expected {forms})."
     return f"Config error: `{where}` = {err.instance!r}: {err.message}."
 
 
 def _describe_form(sub: dict) -> str:
-    """One alternative of a `oneOf`, in words: 'null', 'auto', 'an integer >= 1', ..."""
+    """One alternative of an `anyOf`, in words: 'null', 'auto', 'an integer >= 1', ..."""
     if "$ref" in sub:
         sub = schema()["$defs"][sub["$ref"].rsplit("/", 1)[-1]]
     if "enum" in sub:

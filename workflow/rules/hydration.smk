@@ -7,7 +7,7 @@ checkpoint check_hydration:
     """
     input:
         data=data_input,
-        code=code("hydration"),
+        code=code("hydration", "plots", "progress"),
     output:
         report=report(
             "results/hydration/{cluster}.json",

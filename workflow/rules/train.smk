@@ -43,7 +43,9 @@ rule train_model:
             workflow, hw(wc), "mem_mb_per_cpu"
         ),
     params:
-        p=lambda wc: json.dumps(settings.train_params(config, wc.cluster), sort_keys=True),
+        p=lambda wc: json.dumps(
+            settings.train_params(config, wc.cluster), sort_keys=True
+        ),
         lr=lambda wc, input: f"--lr-summary {input.lr}" if input.lr else "",
         imgclf=IMGCLF,
     shell:
@@ -70,7 +72,9 @@ rule evaluate:
         "logs/eval/{cluster}.log",
     threads: workflow.cores
     params:
-        p=lambda wc: json.dumps(settings.evaluate_params(config, wc.cluster), sort_keys=True),
+        p=lambda wc: json.dumps(
+            settings.evaluate_params(config, wc.cluster), sort_keys=True
+        ),
         imgclf=IMGCLF,
     shell:
         "{params.imgclf} evaluate --params-json {params.p:q} --memory {input.memory}"

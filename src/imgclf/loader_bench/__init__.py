@@ -92,7 +92,7 @@ def prepare(root: str, loader: dict, model: dict, hw: dict) -> Setup:
     batch = planned_batch(loader, hw, recipe)
     s = Setup(loader=loader, hw=hw, recipe=recipe, resolution=model["resolution"], here=here,
               cpus_device=cpus_device, batch=batch,
-              batch_bytes=data.sample_batch_bytes(batch, model["resolution"]),
+              batch_bytes=data.sample_batch_bytes(batch, recipe.train_size(model["resolution"])),
               budget=hw["ram_gb"] * GB * loader["ram_margin"] / hw["devices_per_node"],
               kind=rss_kind(), pin=hw["accelerator"] == "gpu" and torch.cuda.is_available(),
               plan=plan(loader, workers))

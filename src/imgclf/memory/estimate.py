@@ -105,7 +105,7 @@ def model_profile(arch: str, num_classes: int, resolution: int, precision: str,
     from imgclf import recipes
 
     recipe = recipes.get(recipe_name)
-    model = recipes.build_model(arch, num_classes)
+    model = recipes.build_model(arch, num_classes, recipe.drop_path)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     loss_fn = recipes.build_loss(recipe)
@@ -125,7 +125,7 @@ def model_profile(arch: str, num_classes: int, resolution: int, precision: str,
 
 
 def breakdown(batch: int, prof: dict, *, resolution: int, state_floats: int, world: int,
-              memory: dict, gpu: bool) -> dict:
+              memory: dict, gpu: bool, ema: bool = False) -> dict:
     """Bytes per component at `batch` on one device (GPU memory, or a CPU rank's RAM)."""
     from imgclf import data
 
@@ -135,6 +135,8 @@ def breakdown(batch: int, prof: dict, *, resolution: int, state_floats: int, wor
         "gradients": prof["param_bytes"],
         "optimizer_state": prof["params"] * 4 * state_floats,
         "buffers": prof["buffer_bytes"],
+        # a recipe's moving average of the weights is a second copy of parameters and buffers
+        "ema_weights": prof["param_bytes"] + prof["buffer_bytes"] if ema else 0,
         # DDP keeps its gradient buckets beside the .grad tensors (gradient_as_bucket_view off)
         "ddp_buckets": prof["param_bytes"] if world > 1 else 0,
         "weight_casts": act["fixed_bytes"],

@@ -56,7 +56,7 @@ def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
     from imgclf import recipes
 
     device = torch.device("cuda", 0)
-    model = recipes.build_model(arch, num_classes).to(device)
+    model = recipes.build_model(arch, num_classes, recipe.drop_path).to(device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=fmt)
     loss_fn = recipes.build_loss(recipe)
@@ -220,7 +220,8 @@ def measure_here(memory, model, hw, recipe, num_classes, estimate_batch, max_bat
     of the GPU's memory less what lies outside torch's allocator and, when training runs on
     several devices, DDP's gradient buckets (the probes run on one GPU, without DDP)."""
     free, total = device["free"], device["total"]
-    step = device["step_factory"](model["arch"], num_classes, recipe, model["resolution"],
+    step = device["step_factory"](model["arch"], num_classes, recipe,
+                                  recipe.train_size(model["resolution"]),
                                   model["precision"], model["channels_last"],
                                   memory["probe_steps"])
     capacity = min(total, hw["gpu_memory_gb"] * GB)

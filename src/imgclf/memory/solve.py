@@ -58,10 +58,16 @@ class Problem:
         """Host RAM one process may use: the node's RAM under the loader's margin, per device."""
         return self.hw["ram_gb"] * GB * self.loader["ram_margin"] / self.devices
 
+    @property
+    def train_resolution(self) -> int:
+        """The side of the training crops: `model.resolution` as the recipe crops for training
+        (torchvision_v2 trains at 176 for 224)."""
+        return self.recipe.train_size(self.model["resolution"])
+
     def parts(self, batch: int) -> dict:
-        return breakdown(batch, self.prof, resolution=self.model["resolution"],
+        return breakdown(batch, self.prof, resolution=self.train_resolution,
                          state_floats=self.state_floats, world=self.world, memory=self.memory,
-                         gpu=self.gpu)
+                         gpu=self.gpu, ema=self.recipe.ema_decay is not None)
 
     def total(self, batch: int) -> int:
         return sum(self.parts(batch).values())
@@ -99,8 +105,8 @@ def problem(memory: dict, model: dict, hw: dict, loader: dict) -> Problem:
     num_classes = (loader["num_classes"] if memory["num_classes"] == "auto"
                    else memory["num_classes"])
     max_batch = recipe.target_global_batch if memory["max_batch"] == "auto" else memory["max_batch"]
-    prof = model_profile(model["arch"], num_classes, model["resolution"], model["precision"],
-                         model["channels_last"], recipe.name)
+    prof = model_profile(model["arch"], num_classes, recipe.train_size(model["resolution"]),
+                         model["precision"], model["channels_last"], recipe.name)
     return Problem(memory=memory, model=model, hw=hw, loader=loader, recipe=recipe,
                    num_classes=num_classes, max_batch=max_batch, prof=prof,
                    state_floats=recipes.optimizer_state_floats_per_param(recipe))
@@ -144,7 +150,7 @@ def cpu_batch(p: Problem) -> Batch:
 
     def total_host(b):
         return host_bytes(b, choice["num_workers"], choice["prefetch_factor"],
-                          resolution=m["resolution"], host=host, extra=p.total(b))
+                          resolution=p.train_resolution, host=host, extra=p.total(b))
 
     fitting = largest_fitting(total_host, budget)
     if fitting < 1:
@@ -180,7 +186,7 @@ def batch_warnings(p: Problem, per_device: int, global_batch: int) -> list[str]:
 def fit_loader(p: Problem, per_device: int) -> tuple[int, int, int, list[str]]:
     """Loader workers and prefetch within a process's share of host RAM at the chosen batch,
     the host bytes of one process with them, and the warnings."""
-    choice, res = p.loader["choice"], p.model["resolution"]
+    choice, res = p.loader["choice"], p.train_resolution
     host = host_model(p.loader)
     workers, prefetch, warnings = fit_loader_to_ram(
         per_device, choice["num_workers"], choice["prefetch_factor"], p.ram_budget_device,

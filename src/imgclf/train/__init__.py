@@ -35,6 +35,7 @@ from imgclf.plan import LRSummary, Plan
 from imgclf.train import summary as after
 from imgclf.train.callbacks import (AtomicCheckpointIO, RunRecorder, Throughput,
                                     progress_callbacks)
+from imgclf.train.ema import for_recipe
 from imgclf.train.module import ImageClassifier, ImageData, class_names, warmup_steps
 from imgclf.train.resume import agreed_resume, supersede, train_digest
 
@@ -203,7 +204,10 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
         dirpath=job.out_dir / "checkpoints", filename=CKPT_NAME, auto_insert_metric_name=False,
         monitor="val/acc1", mode="max", save_top_k=int(job.t["save_top_k"]), save_last=True)
     bars, show_bar = progress_callbacks(throughput)
-    trainer = build_trainer(job, loggers, [throughput, recorder, checkpoint, *bars], show_bar)
+    ema = for_recipe(job.recipe, global_batch=job.plan.global_batch, epochs=job.epochs,
+                     warmup_epochs=min(job.recipe.warmup_epochs, job.epochs / 2))
+    callbacks = [throughput, recorder, checkpoint, *bars, *([ema] if ema else [])]
+    trainer = build_trainer(job, loggers, callbacks, show_bar)
     trainer.fit(module, datamodule=datamodule, ckpt_path=job.resume["path"])
     if not trainer.is_global_zero:
         return None

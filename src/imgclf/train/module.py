@@ -59,7 +59,7 @@ class ImageClassifier(L.LightningModule):
         self.save_hyperparameters()
         self.recipe = recipes.get(recipe)
         n = len(classes)
-        self.model = recipes.build_model(arch, n)
+        self.model = recipes.build_model(arch, n, self.recipe.drop_path)
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.criterion = recipes.build_loss(self.recipe)
@@ -127,7 +127,8 @@ class ImageClassifier(L.LightningModule):
 
 
 class ImageData(L.LightningDataModule):
-    """Train/val ImageFolders through imgclf.data; Lightning adds the DistributedSampler."""
+    """Train/val ImageFolders through imgclf.data. Lightning adds the DistributedSampler, except
+    for a recipe with repeated augmentation, whose sampler (itself distributed) is given here."""
 
     def __init__(self, root: str, decoder: str, resolution: int, recipe: str, batch_size: int,
                  num_workers: int, prefetch_factor: int | None, pin_memory: bool, seed: int):
@@ -142,13 +143,19 @@ class ImageData(L.LightningDataModule):
         if self.train_set is None:
             self.train_set = data.train_dataset(self.root, self.decoder, self.resolution,
                                                 self.recipe)
-            self.val_set = data.val_dataset(self.root, self.decoder, self.resolution)
+            self.val_set = data.val_dataset(self.root, self.decoder, self.resolution,
+                                            self.recipe)
 
     def _loader(self, dataset, train: bool):
         world = self.trainer.world_size if self.trainer else 1
+        sampler = None
+        if train and self.recipe.repeated_aug > 1:
+            sampler = data.RepeatedAugSampler(
+                dataset, world, self.trainer.global_rank if self.trainer else 0, seed=self.seed,
+                reps=self.recipe.repeated_aug)
         return data.loader(
             dataset, self.batch_size, self.num_workers, self.prefetch_factor, shuffle=train,
-            seed=self.seed, pin_memory=self.pin_memory, persistent_workers=True,
+            seed=self.seed, pin_memory=self.pin_memory, persistent_workers=True, sampler=sampler,
             # a ragged last batch of 1 would break BatchNorm; keep it when it is all there is
             drop_last=train and len(dataset) // world >= self.batch_size)
 
