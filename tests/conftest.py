@@ -76,3 +76,15 @@ def through_memory(tmp_path_factory, demo_root) -> Path:
     assert res.returncode == 0, res.stdout + res.stderr
     (work / "snakemake_output.txt").write_text(res.stdout + res.stderr)
     return work
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `pipeline` every test that runs Snakemake end to end through a fixture (its own or
+    one it depends on: item.fixturenames is the closure), so that `-m "not pipeline"` is the
+    fast subset that .ci/min-versions runs against the declared minimum versions."""
+    runs_snakemake = {"demo_root", "workflow_copy", "through_memory",  # conftest.py
+                      "demo_run",  # test_reproducibility.py
+                      "slurm_demo"}  # test_slurm.py (the demo through profiles/slurm)
+    for item in items:
+        if runs_snakemake.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.pipeline)

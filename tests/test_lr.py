@@ -251,3 +251,22 @@ def test_cli_lr_find_batch_override_and_summary(through_memory, tmp_path):
     summary = json.loads((tmp_path / "lr" / "local_summary.json").read_text())
     assert summary["lr_finder_batch"] == 16 and "chosen LR" in res.stdout
     assert (tmp_path / "lr" / "local.png").exists()
+
+
+def test_finder_takes_the_mixed_precision_arguments_of_the_gpu_path():
+    """The arguments the GPU path passes torch-lr-finder (amp_backend, amp_config, grad_scaler:
+    torch-lr-finder 0.2.2 and later), exercised on the CPU with bfloat16 autocast, so that a
+    dependency floor that lacks them fails here rather than in the first GPU run."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+    amp = {"precision": "bf16-mixed", "amp_backend": "torch",
+           "amp_config": {"device_type": "cpu", "dtype": torch.bfloat16},
+           "grad_scaler": torch.amp.GradScaler("cpu", enabled=False)}
+    finder = lr_find._finder(net, opt, torch.nn.CrossEntropyLoss(), torch.device("cpu"), amp)
+    finder.range_test(DataLoader(TensorDataset(x, y), batch_size=16), start_lr=1e-4, end_lr=1,
+                      num_iter=5)
+    assert len(finder.history["lr"]) == 5 and len(finder.raw) == 5
