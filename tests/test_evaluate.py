@@ -63,10 +63,11 @@ def checkpoint(demo_root, tmp_path_factory) -> Path:
 
     from imgclf import train
 
-    classes = train.class_names(str(demo_root))
-    module = train.ImageClassifier("resnet18", classes, "demo", lr=0.05, warmup_epochs=0,
-                                   train_digest="test")
-    dm = train.ImageData(str(demo_root), "pil", 16, "demo", batch_size=32, num_workers=0,
+    root = str(demo_root)
+    train_set, val_set = train.datasets({"train": root, "val": root}, "pil", 16, "demo")
+    module = train.ImageClassifier("resnet18", train_set.classes, "demo", lr=0.05,
+                                   warmup_epochs=0, train_digest="test")
+    dm = train.ImageData(train_set, val_set, "demo", batch_size=32, num_workers=0,
                          prefetch_factor=None, pin_memory=False, seed=0)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=6,
                         limit_val_batches=0, logger=False, enable_checkpointing=False,
@@ -88,7 +89,7 @@ def write_memory(tmp: Path) -> Path:
 
 
 def params(demo_root, **evaluate_cfg) -> dict:
-    return {"data_root": str(demo_root),
+    return {"data_root": str(demo_root), "index": str(demo_root),
             "model": {"arch": "resnet18", "recipe": "demo", "resolution": 16,
                       "precision": "32", "channels_last": False},
             "evaluate": evaluate_cfg, "cluster": CPU_CLUSTER}

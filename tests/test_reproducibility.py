@@ -110,13 +110,15 @@ MEMORY = {"solve_memory", table("memory")} | LR
 LOADER = {"benchmark_loader", table("loader")} | MEMORY
 # the check's dependents wait for it (checkpoint): planned is the check only
 HYDRATION = {"check_hydration", "all"}
-DATA = {"prepare_demo_data"} | HYDRATION | LOADER
+# new demo images: the demo and the check; the stages after it read the check's file index and
+# are planned once the check has run and found a changed census
+DATA = {"prepare_demo_data"} | HYDRATION
 TABLES = {table(t) for t in ("loader", "memory", "lr", "eval")}
 
 CONFIG_CASES = {
     "dataset: demo images": ("demo: {jpeg_quality: 90}", DATA),
     "dataset: expected counts": ("dataset: {expected_train: 1438}", HYDRATION),
-    "hydration": ("hydration: {decode_sample: 100}", HYDRATION),
+    "hydration": ("hydration: {read_sample_files: 100}", HYDRATION),
     "loader": ("loader: {tolerance: 0.1}", LOADER),
     "memory": ("memory: {safety_margin: 0.8}", MEMORY),
     "model.arch (not timed by the loader)": ("model: {arch: resnet34}", MEMORY),
@@ -148,7 +150,10 @@ def test_config_edit_plans_exactly_its_dependents(demo_run, tmp_path, case):
 
 
 CODE_CASES = {
-    "hydration.py": ("hydration.py", (), HYDRATION),
+    "hydration/census.py": ("hydration/census.py", (), HYDRATION),
+    # index.py is also an input of every stage after the check, which a dry run plans only
+    # once the check (a checkpoint) has run
+    "index.py": ("index.py", (), HYDRATION),
     "loader_bench/timing.py": ("loader_bench/timing.py", (), LOADER),
     "memory/solve.py": ("memory/solve.py", (), MEMORY),
     "lr_find.py": ("lr_find.py", (), LR),
@@ -225,7 +230,7 @@ HANDOFF_RUNS = {
 def test_rerun_check_with_same_census_reruns_nothing_after_it(demo_run, case):
     """The check really runs (its report is rewritten), the verdict hand-off is rewritten with
     the same bytes, and no later stage runs: their outputs keep their bytes."""
-    (demo_run / "edit.yaml").write_text("hydration: {decode_sample: 100}\n")
+    (demo_run / "edit.yaml").write_text("hydration: {read_sample_files: 100}\n")
     before = digests(demo_run, DOWNSTREAM)
     verdict = sha256(demo_run / "results/hydration/local.verdict.json")
     for args in HANDOFF_RUNS[case]:
@@ -379,7 +384,12 @@ def report_results(html: str) -> dict:
 
 
 def test_report_embeds_every_figure_and_table_with_a_caption(demo_run):
-    res = snakemake(demo_run, "--report", "results/report.html")
+    """The README's report command, as typed (no --cores: the workflow profile has it)."""
+    from test_commands import run, usage_commands
+
+    command = next(c for c in usage_commands() if "--report" in c)
+    assert command == "snakemake --report results/report.html"
+    res = run(demo_run, command)
     assert res.returncode == 0, out(res)[-4000:]
     results = report_results((demo_run / "results/report.html").read_text())
     for path in FIGURES + REPORT_TABLES:

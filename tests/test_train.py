@@ -32,7 +32,8 @@ CPU_CLUSTER = {"name": "local", "gpus_per_node": 0, "gpu_model": "none", "gpu_me
 def write_inputs(tmp: Path, demo_root: Path, train_cfg: dict, *, batch=32, lr=0.2,
                  recipe="demo", resolution=32, cluster=None) -> tuple[dict, Path, Path]:
     """The params slice plus hand-written memory and LR-summary JSONs (the upstream contracts)."""
-    params = {"data_root": str(demo_root),
+    root = str(demo_root)
+    params = {"data_root": root, "index": {"train": root, "val": root},
               "model": {"arch": "resnet18", "recipe": recipe, "resolution": resolution,
                         "precision": "32", "channels_last": False},
               "train": train_cfg, "cluster": cluster or CPU_CLUSTER}
@@ -253,9 +254,11 @@ def test_one_batch_smoke_each_recipe(recipe, demo_root, tmp_path):
     import lightning.pytorch as L
 
     rec = recipes.get(recipe)
-    classes = train.class_names(str(demo_root))
-    module = train.ImageClassifier("resnet18", classes, recipe, lr=rec.lr, warmup_epochs=0)
-    dm = train.ImageData(str(demo_root), "tensor", 16, recipe, batch_size=8, num_workers=0,
+    root = str(demo_root)
+    train_set, val_set = train.datasets({"train": root, "val": root}, "tensor", 16, recipe)
+    module = train.ImageClassifier("resnet18", train_set.classes, recipe, lr=rec.lr,
+                                   warmup_epochs=0)
+    dm = train.ImageData(train_set, val_set, recipe, batch_size=8, num_workers=0,
                          prefetch_factor=None, pin_memory=False, seed=0)
     before = [p.detach().clone() for p in module.model.parameters()]
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=1,

@@ -45,8 +45,9 @@ def cmd_check_hydration(args):
     out = args.out or f"results/hydration/{name}.json"
     stem = out[:-len(".json")] if out.endswith(".json") else out
     report = hydration.run_stage(**p, out=out, out_verdict=f"{stem}.verdict.json",
-                                 out_png=f"{stem}.png")
-    print(f"verdict: {report['verdict']}")
+                                 out_png=f"{stem}.png", out_excluded=f"{stem}.excluded.txt",
+                                 out_index={s: f"{stem}.{s}.tsv" for s in ("train", "val")})
+    print(f"verdict: {report['verdict']}; {report['excluded']} files excluded")
 
 
 def cmd_benchmark_loader(args):
@@ -213,7 +214,8 @@ def _data_commands(sub) -> None:
     _common(p)
     p.add_argument("--out", default=None,
                    help="report path (default results/hydration/CLUSTER.json); the verdict "
-                        "hand-off (.verdict.json) and the plot (.png) go beside it")
+                        "hand-off (.verdict.json), the plot (.png), the excluded files "
+                        "(.excluded.txt) and the file indexes (.train.tsv, .val.tsv) go beside it")
     p.add_argument("--restore", action="store_true", help="restore released files, then check again")
     p.set_defaults(fn=cmd_check_hydration)
 

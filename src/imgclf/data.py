@@ -7,10 +7,13 @@ data through this module, so what is measured is what trains."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import datasets
 
+from imgclf import index
 from imgclf.errors import UserError
 
 DECODERS = ("pil", "tensor")
@@ -89,19 +92,64 @@ def val_transform(decoder: str, resolution: int, recipe=None):
                        v2.CenterCrop(crop), *_pixels(decoder)])
 
 
-def image_folder(root: str, split: str, decoder: str, transform) -> datasets.ImageFolder:
-    loader = read_tensor_image if decoder == "tensor" else datasets.folder.default_loader
-    return datasets.ImageFolder(f"{root}/{split}", transform=transform, loader=loader)
+class BadImageError(UserError):
+    """An indexed image that no longer decodes: changed or broken after the hydration check."""
+
+    PREFIX = "Cannot decode image "
 
 
-def train_dataset(root: str, decoder: str, resolution: int, recipe) -> datasets.ImageFolder:
-    """Training images at the recipe's train size (`recipe.train_size(resolution)`)."""
-    return image_folder(root, "train", decoder, train_transform(decoder, resolution, recipe))
+class IndexedImages(torch.utils.data.Dataset):
+    """The images of one split's file index (imgclf.index) through a decode path: built from
+    the index the hydration check wrote, so it neither walks the tree nor opens an excluded
+    file. A file that fails to decode raises BadImageError naming it."""
+
+    def __init__(self, idx: index.Index, decoder: str, transform):
+        self.index, self.transform = idx, transform
+        self.decode = read_tensor_image if decoder == "tensor" else datasets.folder.pil_loader
+        self.classes = list(idx.classes)
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.targets = idx.targets()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int):
+        path = self.index.file(i)
+        try:
+            image = self.decode(path)
+        except (OSError, RuntimeError, ValueError, SyntaxError) as e:
+            raise BadImageError(f"{BadImageError.PREFIX}{path} ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        return self.transform(image), self.targets[i]
 
 
-def val_dataset(root: str, decoder: str, resolution: int, recipe=None) -> datasets.ImageFolder:
+def split_index(source, split: str) -> index.Index:
+    """A split's file index: `source` is the index file the hydration check wrote (what every
+    stage gets) or, for one-off use and tests, a data root, walked here."""
+    if not os.path.isdir(source):
+        return index.read(source)
+    from imgclf.hydration.census import walk
+
+    cen = walk(str(source))
+    classes = cen.classes(split)
+    lines = [f"{c}/{n}\t{s}" for c in classes for n, s in sorted(cen.files[split][c])]
+    return index.Index(path=str(source), root=str(source), split=split, classes=classes,
+                       counts=[len(cen.files[split][c]) for c in classes], lines=lines)
+
+
+def train_dataset(source, decoder: str, resolution: int, recipe,
+                  exclude: set[str] = frozenset()) -> IndexedImages:
+    """Training images at the recipe's train size (`recipe.train_size(resolution)`), less the
+    files in `exclude` (found broken during an earlier training attempt)."""
+    idx = index.without(split_index(source, "train"), set(exclude))
+    return IndexedImages(idx, decoder, train_transform(decoder, resolution, recipe))
+
+
+def val_dataset(source, decoder: str, resolution: int, recipe=None,
+                exclude: set[str] = frozenset()) -> IndexedImages:
     """Validation images at `resolution`, resized as the recipe says (None: crop 87.5 %)."""
-    return image_folder(root, "val", decoder, val_transform(decoder, resolution, recipe))
+    idx = index.without(split_index(source, "val"), set(exclude))
+    return IndexedImages(idx, decoder, val_transform(decoder, resolution, recipe))
 
 
 def loader(dataset, batch_size: int, num_workers: int, prefetch_factor: int | None,

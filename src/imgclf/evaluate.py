@@ -9,13 +9,15 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from imgclf import data, plots, provenance, recipes, settings
-from imgclf.plan import Plan
 from imgclf.errors import UserError
+from imgclf.index import BAD_FILES, read_bad_files
+from imgclf.plan import Plan
 
 log = logging.getLogger("imgclf.evaluate")
 
@@ -148,10 +150,11 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
     plan = Plan.read(memory_path, cluster["name"])
     ckpt = load_checkpoint(checkpoint)
     classes = list(ckpt["hyper_parameters"]["classes"])
-    dataset = data.val_dataset(params["data_root"], plan.decoder, int(model_cfg["resolution"]),
-                               recipes.get(model_cfg["recipe"]))
+    dataset = data.val_dataset(params["index"], plan.decoder, int(model_cfg["resolution"]),
+                               recipes.get(model_cfg["recipe"]),
+                               exclude=read_bad_files(Path(checkpoint).parent / BAD_FILES))
     if dataset.classes != classes:
-        raise UserError(f"{params['data_root']}/val has classes {dataset.classes[:5]}... but the "
+        raise UserError(f"{params['index']} has classes {dataset.classes[:5]}... but the "
                         f"checkpoint was trained on {classes[:5]}...: evaluate on the same data.")
     device = pick_device(cluster)
     model = load_model(ckpt, model_cfg, checkpoint, device)
@@ -159,8 +162,15 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
     loader = data.loader(dataset, batch, plan.num_workers, plan.prefetch_factor,
                          shuffle=False, pin_memory=device.type == "cuda")
     acc = Accumulator(len(classes), device)
-    loop_s = predict(model, loader, device, str(model_cfg["precision"]),
-                     bool(model_cfg["channels_last"]), acc)
+    try:
+        loop_s = predict(model, loader, device, str(model_cfg["precision"]),
+                         bool(model_cfg["channels_last"]), acc)
+    except data.BadImageError as e:
+        line = next(ln for ln in str(e).splitlines() if data.BadImageError.PREFIX in ln)
+        raise UserError(f"Evaluation stopped: {line[line.index(data.BadImageError.PREFIX):]} "
+                        f"although the hydration check passed it; replace the file or rerun the "
+                        f"check (`snakemake --forcerun check_hydration`), which excludes it.") \
+            from None
     res = acc.result(classes, int(ev["top_confused"]))
     cm = res.pop("_confusion")
     small = len(classes) <= int(ev["max_confusion_classes"])

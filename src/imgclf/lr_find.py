@@ -125,7 +125,7 @@ def _finder(net, optimizer, criterion, device, amp: dict):
     return finder
 
 
-def find(root: str, model: dict, plan: Plan, cfg: dict, run: int,
+def find(source: str, model: dict, plan: Plan, cfg: dict, run: int,
          batch_size: int | None = None, threads: int | None = None) -> dict:
     """One LR range test with the recipe's model, loss, optimizer and batch mixing; returns the
     loss curve and where it diverged."""
@@ -139,7 +139,7 @@ def find(root: str, model: dict, plan: Plan, cfg: dict, run: int,
     batch = batch_size or plan.per_device_batch
     device = _device(run)
     amp = _amp(model["precision"], device)
-    train_set = data.train_dataset(root, plan.decoder, model["resolution"], recipe)
+    train_set = data.train_dataset(source, plan.decoder, model["resolution"], recipe)
     net = recipes.build_model(model["arch"], len(train_set.classes), recipe.drop_path)
     if model["channels_last"]:
         net = net.to(memory_format=torch.channels_last)
@@ -183,11 +183,12 @@ def _mixing_note(recipe) -> str:
     return ("the recipe's " + " or ".join(parts) + ", as in training") if parts else "none"
 
 
-def run_find(root, model, memory_path, cfg, run, out, cluster, batch_size=None,
+def run_find(source, model, memory_path, cfg, run, out, cluster, batch_size=None,
              threads=None) -> dict:
     plan = Plan.read(memory_path, cluster)
-    result = find(root, model, plan, cfg, run, batch_size=batch_size, threads=threads)
-    return write_artifact(out, result, config_slice={"root": root, "model": model, "lr_finder": cfg,
+    result = find(source, model, plan, cfg, run, batch_size=batch_size, threads=threads)
+    return write_artifact(out, result, config_slice={"source": source, "model": model,
+                                                      "lr_finder": cfg,
                                                       "run": run, "batch_size": batch_size},
                           inputs=[memory_path])
 

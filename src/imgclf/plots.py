@@ -24,12 +24,13 @@ def save(fig: Figure, path, dpi: int = 100) -> None:
 # --- hydration check ---------------------------------------------------------------------------
 
 def hydration(report: dict, path) -> None:
-    """Files and bytes per split, HSM state (Lustre only), read throughput against its floor."""
+    """Usable images per split with what was excluded, HSM state (Lustre only), read speed
+    against its limits."""
     fig = Figure(figsize=(13, 4), layout="constrained")
     ax_files, ax_hsm, ax_read = fig.subplots(1, 3)
     _census_bars(ax_files, report)
     _hsm_bars(ax_hsm, report.get("hsm"))
-    _read_bar(ax_read, report["throughput"])
+    _read_bar(ax_read, report.get("throughput"))
     fig.suptitle(f"{report.get('cluster', '')} {report['root']}: verdict {report['verdict']}",
                  fontsize=10)
     save(fig, path)
@@ -38,16 +39,19 @@ def hydration(report: dict, path) -> None:
 def _census_bars(ax, report: dict) -> None:
     splits = report["census"]["splits"]
     names = list(splits)
-    bars = ax.bar(names, [splits[s]["files"] for s in names], color="tab:blue")
-    for bar, s in zip(bars, names):
-        ax.annotate(f"{splits[s]['files']:,} files\n{splits[s]['bytes'] / 1e6:,.1f} MB\n"
-                    f"{splits[s]['classes']} classes",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="top", fontsize=8, color="white")
+    usable = [splits[s]["files"] for s in names]
+    bad = report["bad_files"]
+    ax.bar(names, usable, color="tab:blue", label="usable images")
+    for i, s in enumerate(names):
+        ax.annotate(f"{splits[s]['files']:,} images\n{splits[s]['bytes'] / 1e6:,.1f} MB\n"
+                    f"{splits[s]['classes']} classes", (i, usable[i]), ha="center", va="top",
+                    fontsize=8, color="white")
     ax.set_ylabel("files")
-    ax.set_title(f"census ({len(report['census']['zero_byte'])} zero-byte, "
-                 f"{len(report['decode']['corrupt'])} corrupt of "
-                 f"{report['decode']['decoded']} decoded)")
+    checked = (report.get("integrity") or {}).get("checked", 0)
+    ax.set_title(f"census: {checked:,} decoded; {bad['count']} unusable "
+                 f"({', '.join(f'{n} {k}' for k, n in bad['by_reason'].items()) or 'none'}), "
+                 f"{report['excluded']} excluded; {report['not_images']['count']} not images",
+                 fontsize=9)
 
 
 def _hsm_bars(ax, hsm: dict | None) -> None:
@@ -64,15 +68,21 @@ def _hsm_bars(ax, hsm: dict | None) -> None:
     ax.set_title("Lustre HSM state")
 
 
-def _read_bar(ax, t: dict) -> None:
-    ok = t["mb_per_s"] >= t["floor_mb_per_s"]
-    ax.bar(["measured"], [t["mb_per_s"]], width=0.4, color="tab:green" if ok else "tab:red")
-    ax.set_xlim(-0.8, 0.8)
-    ax.axhline(t["floor_mb_per_s"], color="black", ls="--",
-               label=f"floor {t['floor_mb_per_s']} MB/s")
-    ax.set_ylabel("MB/s")
-    ax.set_title(f"read throughput: {t['mb_per_s']} MB/s, {t['files_per_s']} files/s\n"
-                 f"({t['files']} files, {t['threads']} threads)", fontsize=10)
+def _read_bar(ax, t: dict | None) -> None:
+    if not t:
+        ax.set_axis_off()
+        ax.set_title("read speed: not measured (the check stopped before reading)")
+        return
+    ok = t["file_ms_median"] <= t["max_file_ms"]
+    ax.bar(["median", "p95"], [t["file_ms_median"], t["file_ms_p95"]],
+           color="tab:green" if ok else "tab:red")
+    ax.axhline(t["max_file_ms"], color="black", ls="--", label=f"limit {t['max_file_ms']} ms")
+    ax.set_yscale("log")
+    ax.set_ylabel("ms to read one file")
+    judged = "judged" if t.get("bandwidth_judged") else "not judged: sample too small"
+    ax.set_title(f"read speed: {t['files_per_s']:.0f} files/s, {t['mb_per_s']} MB/s\n"
+                 f"bandwidth {judged} (floor {t['floor_mb_per_s']} MB/s); {t['files']} files, "
+                 f"{t['threads']} threads", fontsize=9)
     ax.legend(fontsize=8)
 
 

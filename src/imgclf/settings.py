@@ -246,11 +246,20 @@ def hydration_params(config: dict, cluster_name: str) -> dict:
     })
 
 
+def index_files(cluster_name: str) -> dict:
+    """The file index of each split that the hydration check writes (imgclf.index): what every
+    later stage builds its data set from."""
+    from imgclf import index
+
+    return {split: index.index_path(cluster_name, split) for split in index.SPLITS}
+
+
 def loader_params(config: dict, cluster_name: str) -> dict:
-    """benchmark_loader: the data root, `loader.*`, the recipe and resolution it times (not
-    the architecture: a new model does not change the input pipeline), the hardware entry."""
+    """benchmark_loader: the training file index, `loader.*`, the recipe and resolution it times
+    (not the architecture: a new model does not change the input pipeline), the hardware
+    entry."""
     return canonical({
-        "root": _root(config, cluster_name),
+        "source": index_files(cluster_name)["train"],
         "loader": config["loader"],
         "model": {"recipe": config["model"]["recipe"], "resolution": config["model"]["resolution"]},
         "hw": stage_hardware(config, cluster_name),
@@ -280,7 +289,7 @@ def lr_find_params(config: dict, cluster_name: str) -> dict:
     """lr_find: what one range test depends on (not the run count, how a curve is read or how
     runs are combined: adding a run or changing a suggestion rule redoes no existing run)."""
     return canonical({
-        "root": _root(config, cluster_name),
+        "source": index_files(cluster_name)["train"],
         "model": config["model"],
         "cfg": {k: config["lr_finder"][k] for k in RANGE_TEST_KEYS},
     })
@@ -299,6 +308,7 @@ def train_params(config: dict, cluster_name: str) -> dict:
     data set changed at the same path a new training, never a resume of the old one."""
     return canonical({
         "data_root": _root(config, cluster_name),
+        "index": index_files(cluster_name),
         "census": census_key(cluster_name),
         "model": config["model"],
         "train": config["train"],
@@ -307,9 +317,11 @@ def train_params(config: dict, cluster_name: str) -> dict:
 
 
 def evaluate_params(config: dict, cluster_name: str) -> dict:
-    """evaluate: the data root, `model.*`, `evaluate.*` and the resolved hardware entry."""
+    """evaluate: the validation file index, `model.*`, `evaluate.*` and the resolved hardware
+    entry."""
     return canonical({
         "data_root": _root(config, cluster_name),
+        "index": index_files(cluster_name)["val"],
         "model": config["model"],
         "evaluate": config["evaluate"],
         "cluster": stage_hardware(config, cluster_name),

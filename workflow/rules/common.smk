@@ -44,6 +44,16 @@ def hydration_verdict(wildcards):
     return ancient(f"results/hydration/{wildcards.cluster}.verdict.json")
 
 
+def train_index(wildcards):
+    """The check's file index of the training split, as `ancient` (see hydration_verdict): the
+    stages build their data sets from it; its content reaches them through `census`."""
+    return ancient(settings.index_files(wildcards.cluster)["train"])
+
+
+def val_index(wildcards):
+    return ancient(settings.index_files(wildcards.cluster)["val"])
+
+
 def verdict_census(wildcards):
     """Verdict and census digest of the hand-off, as a param of the loader benchmark: a changed
     census is a changed param, which reruns it (Snakemake re-evaluates it once the checkpoint

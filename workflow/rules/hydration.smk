@@ -1,13 +1,16 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
 # that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
 checkpoint check_hydration:
-    """Census, Lustre HSM state, read throughput and a verdict for the cluster's data root. A
-    checkpoint: the stages after it take the small verdict hand-off, and only once the check
-    has run does Snakemake decide whether they rerun (not when verdict and census are equal).
+    """Census, Lustre HSM state, every image decoded, read speed and a verdict for the cluster's
+    data root; unusable files excluded and listed; the file index every later stage reads. A
+    checkpoint: the stages after it take the small verdict hand-off and the indexes as
+    `ancient`, and only once the check has run does Snakemake decide whether they rerun (not
+    when verdict and census are equal). On a failure the findings stay in
+    results/hydration/{cluster}.findings.json, which is not an output.
     """
     input:
         data=data_input,
-        code=code("hydration", "plots", "progress"),
+        code=code("hydration", "index", "plots", "progress"),
     output:
         report=report(
             "results/hydration/{cluster}.json",
@@ -15,6 +18,9 @@ checkpoint check_hydration:
             category="1. Hydration",
         ),
         verdict="results/hydration/{cluster}.verdict.json",
+        excluded="results/hydration/{cluster}.excluded.txt",
+        train_index="results/hydration/{cluster}.train.tsv",
+        val_index="results/hydration/{cluster}.val.tsv",
         plot=report(
             "results/hydration/{cluster}.png",
             caption="../report/hydration.rst",
@@ -22,6 +28,7 @@ checkpoint check_hydration:
         ),
     log:
         "logs/hydration/{cluster}.log",
+    threads: lambda wc: hw(wc)["cpus_per_node"]  # images are decoded on every CPU
     params:
         p=lambda wc: settings.hydration_params(config, wc.cluster),
     script:

@@ -5,8 +5,8 @@ rule benchmark_loader:
     cheapest configuration near the best that fits the RAM budget."""
     input:
         verdict=hydration_verdict,
-        data=data_input,
-        code=code("loader_bench", "data", "recipes", "plots", "progress"),
+        index=train_index,
+        code=code("loader_bench", "data", "index", "recipes", "plots", "progress"),
     output:
         json=report(
             "results/loader/{cluster}.json",
@@ -27,7 +27,7 @@ rule benchmark_loader:
         "logs/loader/{cluster}.log",
     benchmark:
         "benchmarks/loader/{cluster}.tsv"
-    threads: workflow.cores  # timing needs the machine to itself
+    threads: lambda wc: hw(wc)["cpus_per_node"]  # timing needs the machine to itself
     params:
         p=lambda wc: settings.loader_params(config, wc.cluster),
         census=verdict_census,

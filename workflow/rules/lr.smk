@@ -4,8 +4,8 @@ rule lr_find:
     """One LR range test on one device at the per-device batch of the cluster (seed = seed + run)."""
     input:
         memory="results/memory/{cluster}.json",
-        data=data_input,
-        code=code("lr_find", "recipes", "data", "plan"),
+        index=train_index,
+        code=code("lr_find", "recipes", "data", "index", "plan"),
     output:
         "results/lr/{cluster}/run{run}.json",
     log:

@@ -12,8 +12,9 @@ rule train_model:
     input:
         memory="results/memory/{cluster}.json",
         lr=lr_summary_input,
-        data=data_input,
-        code=code("train", "recipes", "data", "plan", "plots"),
+        train_index=train_index,
+        val_index=val_index,
+        code=code("train", "recipes", "data", "index", "plan", "plots"),
     output:
         best="results/train/{cluster}/best.ckpt",
         metrics="results/train/{cluster}/metrics.csv",
@@ -27,7 +28,7 @@ rule train_model:
         "logs/train/{cluster}.log",
     benchmark:
         "benchmarks/train/{cluster}.tsv"
-    threads: workflow.cores
+    threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
         gpu=lambda wc: slurm.train_resource(workflow, hw(wc), "gpu"),
         mpi=lambda wc: slurm.train_resource(workflow, hw(wc), "mpi"),
@@ -59,8 +60,8 @@ rule evaluate:
     input:
         ckpt="results/train/{cluster}/best.ckpt",
         memory="results/memory/{cluster}.json",
-        data=data_input,
-        code=code("evaluate", "recipes", "data", "plan", "plots"),
+        index=val_index,
+        code=code("evaluate", "recipes", "data", "index", "plan", "plots"),
     output:
         json="results/eval/{cluster}.json",
         confusion=report(
@@ -70,7 +71,7 @@ rule evaluate:
         ),
     log:
         "logs/eval/{cluster}.log",
-    threads: workflow.cores
+    threads: lambda wc: hw(wc)["cpus_per_node"]
     params:
         p=lambda wc: json.dumps(
             settings.evaluate_params(config, wc.cluster), sort_keys=True

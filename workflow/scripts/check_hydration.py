@@ -1,5 +1,7 @@
 from imgclf import hydration, stage
 
-stage.run(lambda: hydration.run_stage(**snakemake.params.p, out=snakemake.output.report,
-                                      out_verdict=snakemake.output.verdict,
-                                      out_png=snakemake.output.plot), snakemake.log[0])
+out = snakemake.output
+stage.run(lambda: hydration.run_stage(
+    **snakemake.params.p, out=out.report, out_verdict=out.verdict, out_png=out.plot,
+    out_excluded=out.excluded, out_index={"train": out.train_index, "val": out.val_index},
+), snakemake.log[0])

@@ -18,7 +18,6 @@ import csv
 import logging
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 import torch
@@ -82,7 +81,7 @@ def plan(loader: dict, workers: list[int]) -> list[tuple[str, int, int, str]]:
     return out
 
 
-def prepare(root: str, loader: dict, model: dict, hw: dict) -> Setup:
+def prepare(source: str, loader: dict, model: dict, hw: dict) -> Setup:
     """The batch, RAM budget, worker grid, plan and data sets of one run."""
     recipe = recipes.get(model["recipe"])
     here = hardware.machine()
@@ -97,9 +96,9 @@ def prepare(root: str, loader: dict, model: dict, hw: dict) -> Setup:
               kind=rss_kind(), pin=hw["accelerator"] == "gpu" and torch.cuda.is_available(),
               plan=plan(loader, workers))
     for decoder in dict.fromkeys([*loader["decoders"], *(c[0] for c in s.plan)]):
-        s.datasets[decoder] = data.train_dataset(root, decoder, s.resolution, recipe)
+        s.datasets[decoder] = data.train_dataset(source, decoder, s.resolution, recipe)
         if len(s.datasets[decoder]) == 0:
-            raise UserError(f"Data root {root} has no training images (`dataset.root`).")
+            raise UserError(f"{source} holds no training images (`dataset.root`).")
     s.base = tree_bytes(psutil.Process(), s.kind)
     return s
 
@@ -183,10 +182,11 @@ def assemble(s: Setup, rows: list[dict], pick: dict) -> dict:
     }
 
 
-def benchmark(root: str, loader: dict, model: dict, hw: dict, show_progress: bool = True) -> dict:
-    """Time the grid and the baseline on the data under `root`; return the report (its rows,
-    the choice and the baseline beside it)."""
-    s = prepare(root, loader, model, hw)
+def benchmark(source: str, loader: dict, model: dict, hw: dict,
+              show_progress: bool = True) -> dict:
+    """Time the grid and the baseline on the training images of `source` (the file index, or a
+    data root); return the report (its rows, the choice and the baseline beside it)."""
+    s = prepare(source, loader, model, hw)
     rows = measure_all(s, show_progress)
     pick = choose(rows, loader["tolerance"], s.budget)
     pick["row"]["chosen"] = True
@@ -203,16 +203,13 @@ def write_csv(path, rows: list[dict]) -> None:
                 str(x) for x in (r["window_images_per_s"] or []))})
 
 
-def run_stage(root: str, loader: dict, model: dict, hw: dict, out_json, out_csv, out_png,
+def run_stage(source: str, loader: dict, model: dict, hw: dict, out_json, out_csv, out_png,
               inputs=()) -> dict:
     """Benchmark, then write the CSV, the plot and the JSON (the JSON last: it marks success)."""
-    if not Path(root).is_dir():
-        raise UserError(f"Data root {root} does not exist: set `dataset.root` (or the "
-                        f"cluster's `data_root`).")
-    report = benchmark(root, loader, model, hw)
+    report = benchmark(source, loader, model, hw)
     log.info("choice: %s", report["choice"]["why"])
     write_csv(out_csv, report["rows"])
     plots.loader(report, out_png)
     return provenance.write_artifact(
-        out_json, report, config_slice={"root": root, "loader": loader, "model": model, "hw": hw},
+        out_json, report, config_slice={"source": source, "loader": loader, "model": model, "hw": hw},
         inputs=list(inputs))

@@ -30,18 +30,39 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 
 from imgclf import provenance, recipes, settings, slurm
+from imgclf.data import BadImageError
+from imgclf.index import BAD_FILES, read_bad_files
 from imgclf.errors import UserError
 from imgclf.plan import LRSummary, Plan
 from imgclf.train import summary as after
 from imgclf.train.callbacks import (AtomicCheckpointIO, RunRecorder, Throughput,
                                     progress_callbacks)
 from imgclf.train.ema import for_recipe
-from imgclf.train.module import ImageClassifier, ImageData, class_names, warmup_steps
+from imgclf.train.module import ImageClassifier, ImageData, datasets, warmup_steps
 from imgclf.train.resume import agreed_resume, supersede, train_digest
 
-__all__ = ["run", "ImageClassifier", "ImageData", "resolve_lr", "check_hardware"]
+__all__ = ["run", "ImageClassifier", "ImageData", "datasets", "resolve_lr", "check_hardware"]
 log = logging.getLogger("imgclf.train")
 CKPT_NAME = "epoch={epoch}-val_acc1={val/acc1:.4f}"
+def peer_failed(err: RuntimeError) -> bool:
+    """Whether a collective failed because another rank died (which reports its own error)."""
+    dist_error = getattr(torch.distributed, "DistNetworkError", ())
+    return isinstance(err, dist_error) or "Connection closed by peer" in str(err)
+
+
+def broken_file_sentence(err: BadImageError, bad_list: Path, out_dir: Path) -> str:
+    """Record the file a data loader could not decode; say so in one sentence. The error may
+    come from a loader worker, whose re-raised message carries the worker's traceback: the
+    file and the reason are read from its own line."""
+    line = next(ln for ln in str(err).splitlines() if BadImageError.PREFIX in ln)
+    detail = line[line.index(BadImageError.PREFIX) + len(BadImageError.PREFIX):]
+    path, _, why = detail.partition(" (")
+    with open(bad_list, "a") as f:  # several ranks may append: one short line each
+        f.write(path + "\n")
+    return (f"Training stopped: image {path} no longer decodes ({why.rstrip(')')}), although "
+            f"the hydration check passed it, so it changed since; it is now listed in "
+            f"{bad_list} and left out from here on: run the same command again to resume from "
+            f"{out_dir / 'checkpoints' / 'last.ckpt'} (or replace the file and delete its line).")
 
 
 def resolve_lr(source: str, lr_summary_path, recipe: recipes.Recipe, plan: Plan) -> dict:
@@ -72,8 +93,9 @@ def check_hardware(cluster: dict, precision: str) -> None:
     if cluster["accelerator"] == "gpu":
         if not torch.cuda.is_available():
             raise UserError(f"Cluster {name!r} trains on {n} GPU(s) per node but this machine has "
-                            f"no usable CUDA GPU: run on a GPU node or choose a CPU cluster "
-                            f"(e.g. `--cluster local` without GPUs).")
+                            f"no usable CUDA GPU (every stage before training is done): run the "
+                            f"same command on a {name} node, or submit it with "
+                            f"`snakemake --profile profiles/slurm train --config cluster={name}`.")
         if "SLURM_NTASKS" not in os.environ and torch.cuda.device_count() < n:
             raise UserError(f"Cluster {name!r} asks for {n} GPUs per node but this machine shows "
                             f"{torch.cuda.device_count()}: fix `clusters.{name}.gpus_per_node`.")
@@ -110,10 +132,10 @@ class Job:
 
 
 def prepare(params: dict, memory_path, lr_summary_path, out_dir) -> Job:
-    for key in ("data_root", "model", "cluster"):
+    for key in ("data_root", "index", "model", "cluster"):
         if key not in params:
-            raise UserError(f"The train params lack `{key}` (expected data_root, census, model, "
-                            f"train, cluster as made by settings.train_params).")
+            raise UserError(f"The train params lack `{key}` (expected data_root, index, census, "
+                            f"model, train, cluster as made by settings.train_params).")
     t = settings.section(params, "train")
     cluster, model_cfg = params["cluster"], params["model"]
     check_hardware(cluster, str(model_cfg["precision"]))
@@ -190,13 +212,16 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
     quiet_lightning()
     L.seed_everything(job.t["seed"], workers=True, verbose=False)
     model_cfg = params["model"]
-    classes = class_names(params["data_root"])
-    module = ImageClassifier(model_cfg["arch"], classes, job.recipe.name, job.lr["value"],
-                             job.recipe.warmup_epochs, channels_last=bool(model_cfg["channels_last"]),
+    bad_list = job.out_dir / BAD_FILES
+    train_set, val_set = datasets(params["index"], job.plan.decoder, int(model_cfg["resolution"]),
+                                  job.recipe.name, read_bad_files(bad_list))
+    module = ImageClassifier(model_cfg["arch"], train_set.classes, job.recipe.name,
+                             job.lr["value"], job.recipe.warmup_epochs,
+                             channels_last=bool(model_cfg["channels_last"]),
                              compile=bool(job.t["compile"]), train_digest=job.digest)
-    datamodule = ImageData(params["data_root"], job.plan.decoder, int(model_cfg["resolution"]),
-                           job.recipe.name, job.plan.per_device_batch, job.plan.num_workers,
-                           job.plan.prefetch_factor, pin_memory=job.gpu, seed=job.t["seed"])
+    datamodule = ImageData(train_set, val_set, job.recipe.name, job.plan.per_device_batch,
+                           job.plan.num_workers, job.plan.prefetch_factor, pin_memory=job.gpu,
+                           seed=job.t["seed"])
     loggers = build_loggers(job.out_dir)
     throughput = Throughput()
     recorder = RunRecorder(job.out_dir, fresh=fresh, csv_logger=loggers[0])
@@ -208,7 +233,16 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
                      warmup_epochs=min(job.recipe.warmup_epochs, job.epochs / 2))
     callbacks = [throughput, recorder, checkpoint, *bars, *([ema] if ema else [])]
     trainer = build_trainer(job, loggers, callbacks, show_bar)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=job.resume["path"])
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=job.resume["path"])
+    except BadImageError as e:
+        raise UserError(broken_file_sentence(e, bad_list, job.out_dir)) from None
+    except RuntimeError as e:
+        if not peer_failed(e):
+            raise
+        raise UserError(f"Training stopped: another rank failed (its own message is above); "
+                        f"once that is resolved, run the same command again to resume from "
+                        f"{job.out_dir / 'checkpoints' / 'last.ckpt'}.") from None
     if not trainer.is_global_zero:
         return None
     return finish(job, trainer, datamodule, checkpoint, throughput, recorder, t_start)
@@ -238,6 +272,7 @@ def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
         "recipe": job.recipe.as_dict(),
         "num_classes": len(datamodule.train_set.classes),
         "train_images": len(datamodule.train_set),
+        "left_out_after_check": sorted(read_bad_files(job.out_dir / BAD_FILES)),
         "val_images": len(datamodule.val_set),
         "train_digest": job.digest,
         "resumed_from": job.resume["info"],

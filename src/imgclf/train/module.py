@@ -127,24 +127,17 @@ class ImageClassifier(L.LightningModule):
 
 
 class ImageData(L.LightningDataModule):
-    """Train/val ImageFolders through imgclf.data. Lightning adds the DistributedSampler, except
-    for a recipe with repeated augmentation, whose sampler (itself distributed) is given here."""
+    """The train/val data sets, built from the hydration check's file indexes, as loaders.
+    Lightning adds the DistributedSampler, except for a recipe with repeated augmentation,
+    whose sampler (itself distributed) is given here."""
 
-    def __init__(self, root: str, decoder: str, resolution: int, recipe: str, batch_size: int,
-                 num_workers: int, prefetch_factor: int | None, pin_memory: bool, seed: int):
+    def __init__(self, train_set, val_set, recipe: str, batch_size: int, num_workers: int,
+                 prefetch_factor: int | None, pin_memory: bool, seed: int):
         super().__init__()
-        self.root, self.decoder, self.resolution = root, decoder, resolution
+        self.train_set, self.val_set = train_set, val_set
         self.recipe = recipes.get(recipe)
         self.batch_size, self.num_workers = batch_size, num_workers
         self.prefetch_factor, self.pin_memory, self.seed = prefetch_factor, pin_memory, seed
-        self.train_set = self.val_set = None
-
-    def setup(self, stage=None):
-        if self.train_set is None:
-            self.train_set = data.train_dataset(self.root, self.decoder, self.resolution,
-                                                self.recipe)
-            self.val_set = data.val_dataset(self.root, self.decoder, self.resolution,
-                                            self.recipe)
 
     def _loader(self, dataset, train: bool):
         world = self.trainer.world_size if self.trainer else 1
@@ -166,18 +159,15 @@ class ImageData(L.LightningDataModule):
         return self._loader(self.val_set, False)
 
 
-def class_names(root: str) -> list[str]:
-    from torchvision.datasets.folder import find_classes
-
-    try:
-        train = find_classes(f"{root}/train")[0]
-        val = find_classes(f"{root}/val")[0]
-    except (FileNotFoundError, RuntimeError) as e:
-        raise UserError(f"Data root {root} needs train/<class>/ and val/<class>/ folders ({e}).") \
-            from None
-    if train != val:
-        raise UserError(f"Data root {root}: train/ has {len(train)} classes and val/ has "
-                        f"{len(val)}, or their names differ; both must hold the same classes.")
-    return train
-
-
+def datasets(index: dict, decoder: str, resolution: int, recipe: str,
+             exclude: set[str] = frozenset()):
+    """(train, val) data sets from the file indexes (or data roots) in `index`, less the files
+    in `exclude`; both splits must hold the same classes."""
+    rec = recipes.get(recipe)
+    train = data.train_dataset(index["train"], decoder, resolution, rec, exclude)
+    val = data.val_dataset(index["val"], decoder, resolution, rec, exclude)
+    if train.classes != val.classes:
+        raise UserError(f"{index['train']} has {len(train.classes)} classes and {index['val']} "
+                        f"{len(val.classes)}, or their names differ: rerun the hydration check, "
+                        f"which requires the same classes in train/ and val/.")
+    return train, val

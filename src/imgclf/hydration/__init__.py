@@ -1,0 +1,212 @@
+"""Is the data set whole, readable and really on the file system? The check before training.
+
+In order, so that nothing reads a file before Lustre has said whether it is released (reading
+a released file is what starts its slow restore from S3):
+  1. census (census.py): every file with one `stat`; images per class, files that are not
+     images (listed, ignored), zero-byte and unreadable files, empty class folders, classes
+     present in one split only;
+  2. Lustre HSM state of every image (storage.py), restored on request;
+  3. every image decoded in full, in parallel (integrity.py);
+  4. per-file latency and bandwidth on a sample (storage.py).
+Unusable files are excluded (listed with the reason in `{cluster}.excluded.txt`) or fail the
+check (`hydration.on_bad_files`, `hydration.max_bad_fraction`). On a pass the check writes the
+file index every later stage builds its data set from (imgclf.index), so no stage walks the
+tree again and none opens an excluded file. On a failure it writes its findings beside the
+outputs (`{cluster}.findings.json`, which Snakemake does not delete) and stops with one
+sentence that names the file or folder, the key or command that resolves it, and the
+findings."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from imgclf import index, plots
+from imgclf.errors import UserError
+from imgclf.hydration import census as census_
+from imgclf.hydration import integrity, storage
+from imgclf.provenance import (atomic_path, digest_file, digest_obj, write_artifact,
+                               write_handoff, write_json)
+
+log = logging.getLogger(__name__)
+SPLITS = census_.SPLITS
+
+
+def check_expected(summary: dict, expected: dict) -> list[str]:
+    problems = []
+    for split in SPLITS:
+        want, got = expected.get(f"expected_{split}"), summary["splits"][split]["files"]
+        if want is not None and got != want:
+            problems.append(f"{split} has {got} usable images, expected {want} "
+                            f"(`dataset.expected_{split}`)")
+        want, got = expected.get("expected_classes"), summary["splits"][split]["classes"]
+        if want is not None and got != want:
+            problems.append(f"{split} has {got} classes, expected {want} "
+                            f"(`dataset.expected_classes`)")
+    return problems
+
+
+def bad_files_block(cen: census_.Census, params: dict) -> dict:
+    """Unusable files: how many, of how many images, why, and whether that fails the check."""
+    n = len(cen.bad)
+    total = cen.images() + n
+    reasons: dict[str, int] = {}
+    for why in cen.bad.values():
+        key = why.split(":")[0]
+        reasons[key] = reasons.get(key, 0) + 1
+    fraction = n / total if total else 0.0
+    block = {"count": n, "of_images": total, "fraction": fraction, "by_reason": reasons,
+             "examples": [{"file": p, "reason": r} for p, r in sorted(cen.bad.items())[:20]],
+             "policy": params["on_bad_files"], "max_fraction": params["max_bad_fraction"]}
+    block["fails"] = bool(n) and (params["on_bad_files"] == "fail"
+                                  or fraction > params["max_bad_fraction"])
+    return block
+
+
+def inspect(root: Path, params: dict, floor_mb_s: float, cluster: str):
+    """Census, HSM state, integrity and speed of `root`: (report, census)."""
+    cen = census_.walk(str(root))
+    report = {"root": str(root.resolve()), "cluster": cluster, "lustre": storage.on_lustre(root),
+              "hsm": None, "integrity": None, "throughput": None}
+    report["folder_problems"] = cen.folder_problems
+    if cen.folder_problems or not cen.images():
+        return report, cen
+    paths = [p for *_, p in cen.paths()]
+    if report["lustre"]:
+        report["hsm"] = storage.hsm(paths, params)
+        if report["hsm"]["released"]:
+            return report, cen  # reading them would start their slow restore, one by one
+    if params["verify_images"]:
+        start = time.perf_counter()
+        census_.drop(cen, integrity.verify(paths, params["verify_workers"]))
+        report["integrity"] = {"checked": len(paths), "method": "full decode (PIL)",
+                               "seconds": round(time.perf_counter() - start, 2)}
+    report["folder_problems"] = census_.folder_problems(cen)
+    sample = cen.sample(params["read_sample_files"], params["seed"])
+    if sample:
+        report["throughput"] = storage.read_speed(sample, params)
+        report["throughput"].update(floor_mb_per_s=floor_mb_s, max_file_ms=params["max_file_ms"])
+    return report, cen
+
+
+def judge(report: dict, cen: census_.Census, params: dict, floor_mb_s: float) -> dict:
+    """Add the census, the bad files, the verdict and its reasons (most important first)."""
+    report["census"] = cen.summary()
+    report["bad_files"] = bad_files_block(cen, params)
+    report["not_images"] = {"count": len(cen.not_images),
+                            "examples": [{"file": p, "reason": r} for p, r in cen.not_images[:20]]}
+    report["excluded"] = 0 if report["bad_files"]["fails"] else report["bad_files"]["count"]
+    hsm, reasons = report["hsm"], []
+    if hsm and hsm["released"]:
+        reasons.append(f"{hsm['released']} of {hsm['files']} files are released (still in S3)")
+    reasons += report["folder_problems"]
+    if not cen.images() and not report["folder_problems"]:
+        reasons.append(f"no image file under {report['root']}/train and val")
+    if report["bad_files"]["fails"]:
+        reasons.append(bad_files_reason(report["bad_files"]))
+    reasons += check_expected(report["census"], params)
+    if report["throughput"]:
+        reasons += storage.speed_problems(report["throughput"], params, floor_mb_s,
+                                          report["cluster"])
+    report["verdict"] = "fail" if reasons else "pass"
+    report["reasons"] = reasons
+    return report
+
+
+def bad_files_reason(b: dict) -> str:
+    first = b["examples"][0]
+    if b["policy"] == "fail":
+        return (f"{b['count']} unusable image files (first: {first['file']}, {first['reason']}) "
+                f"and `hydration.on_bad_files: fail`; set it to `exclude` to train without them")
+    return (f"{b['count']} of {b['of_images']} image files ({100 * b['fraction']:.3g} %) are "
+            f"unusable (first: {first['file']}, {first['reason']}), more than "
+            f"`hydration.max_bad_fraction` = {b['max_fraction']}")
+
+
+def failure_sentence(report: dict, params: dict, findings) -> str:
+    """One sentence: what is wrong, the key or command that resolves it, where the rest is."""
+    hsm, root = report.get("hsm"), report["root"]
+    if hsm and hsm["released"]:
+        cmd = storage.restore_command(root, params["lfs_batch"], params["lfs_parallel"])
+        return (f"Hydration check failed: {hsm['released']} of {hsm['files']} files under {root} "
+                f"are released (only in S3); hydrate them with `{cmd}` or set "
+                f"`hydration.restore: true` to let the pipeline do it (findings: {findings}).")
+    more = len(report["reasons"]) - 1
+    also = f" and {more} more problem{'s' if more > 1 else ''}" if more else ""
+    return (f"Hydration check failed for {root}: {report['reasons'][0]}{also}; all findings are "
+            f"in {findings}.")
+
+
+def write_excluded(path, cen: census_.Census) -> None:
+    """Every file no later stage opens, with the reason: unusable images and non-images."""
+    rows = sorted(cen.bad.items()) + sorted(cen.not_images)
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write("# file\treason\n")
+        f.writelines(f"{p}\t{why}\n" for p, why in rows)
+
+
+def write_indexes(cen: census_.Census, paths: dict) -> None:
+    for split in SPLITS:
+        index.write(paths[split], cen.root, split, cen.classes(split), cen.files[split])
+
+
+def verdict_handoff(report: dict, index_paths: dict, excluded) -> dict:
+    """What the stages after the check depend on: the verdict and a digest of what they may
+    read (the file indexes: every usable file and its size) and what they must not (the
+    excluded list). Throughput and timings stay in the full report: they differ on every run
+    and must not make the loader benchmark, the LR runs and training run again. A file whose
+    content changes but not its size is not a census change (hashing the data set is exactly
+    the full read this check avoids)."""
+    splits = report["census"]["splits"]
+    digests = [digest_file(index_paths[s]) for s in SPLITS] + [digest_file(excluded)]
+    return {
+        "cluster": report["cluster"],
+        "root": report["root"],
+        "verdict": report["verdict"],
+        "census_digest": digest_obj(digests),
+        "files": {s: splits[s]["files"] for s in SPLITS},
+        "classes": {s: splits[s]["classes"] for s in SPLITS},
+        "excluded": report["excluded"],
+    }
+
+
+def handoff_key(path) -> dict | None:
+    """What of a verdict hand-off the stages after the check depend on; None before the first
+    check (the rules pass it as a param: params are compared on every run)."""
+    try:
+        with open(path) as f:
+            handoff = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+    return {k: handoff.get(k) for k in ("verdict", "census_digest")}
+
+
+def findings_path(out) -> Path:
+    return Path(str(out)[:-len(".json")] + ".findings.json")
+
+
+def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out, out_verdict,
+              out_png, out_excluded, out_index: dict) -> dict:
+    """Check; on a pass write the plot, the excluded list, the indexes, the report and the
+    hand-off; on a failure write the findings and raise the one-sentence failure."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"Data root {root} does not exist: set `dataset.root` (or the "
+                        f"cluster's `data_root`) to the folder holding train/ and val/.")
+    report, cen = inspect(root, params, min_read_mb_s, cluster)
+    judge(report, cen, params, min_read_mb_s)
+    log.info("verdict: %s %s", report["verdict"], "; ".join(report["reasons"]))
+    findings = findings_path(out)
+    if report["verdict"] == "fail":
+        write_json(findings, report)
+        raise UserError(failure_sentence(report, params, findings))
+    findings.unlink(missing_ok=True)
+    plots.hydration(report, out_png)
+    write_excluded(out_excluded, cen)
+    write_indexes(cen, out_index)
+    written = write_artifact(out, report, config_slice={"params": params, "root": str(root),
+                                                         "min_read_mb_s": min_read_mb_s})
+    write_handoff(out_verdict, verdict_handoff(report, out_index, out_excluded), full_report=out)
+    return written

@@ -1,0 +1,153 @@
+"""The census: every file of train/ and val/ with one `stat` each, sorted into images per class,
+files that are not images, zero-byte and unreadable files, and folder problems.
+
+Nothing here reads file contents: on Lustre, reading a released file is what triggers its slow
+restore from S3, so the census (and the HSM query after it) must come first."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+from imgclf.progress import progress
+
+SPLITS = ("train", "val")
+# the suffixes torchvision's ImageFolder takes as images
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+@dataclass
+class Census:
+    """What the walk found. `files[split][class]` lists (name, size) of the image files,
+    `name` relative to the class folder."""
+
+    root: str
+    files: dict = field(default_factory=lambda: {s: {} for s in SPLITS})
+    not_images: list = field(default_factory=list)      # (path, reason): listed, ignored
+    bad: dict = field(default_factory=dict)              # path -> reason: zero-byte, unreadable
+    folder_problems: list = field(default_factory=list)  # sentences naming a folder
+
+    def classes(self, split: str) -> list[str]:
+        return sorted(self.files[split])
+
+    def images(self, split: str | None = None) -> int:
+        splits = SPLITS if split is None else (split,)
+        return sum(len(v) for s in splits for v in self.files[s].values())
+
+    def paths(self):
+        """Every image file as (split, class, name, absolute path)."""
+        for split in SPLITS:
+            for cls, entries in sorted(self.files[split].items()):
+                for name, _ in entries:
+                    yield split, cls, name, os.path.join(self.root, split, cls, name)
+
+    def sample(self, k: int, seed: int) -> list[tuple[str, int]]:
+        """(path, size) of `k` images drawn at random, in one pass (no list of every file)."""
+        n, rng = self.images(), random.Random(seed)
+        picked = set(rng.sample(range(n), min(k, n)))
+        out, i = [], 0
+        for split in SPLITS:
+            for cls, entries in sorted(self.files[split].items()):
+                for name, size in entries:
+                    if i in picked:
+                        out.append((os.path.join(self.root, split, cls, name), size))
+                    i += 1
+        rng.shuffle(out)  # read in random order: a byte budget must not favour early classes
+        return out
+
+    def summary(self) -> dict:
+        """Files, bytes and classes per split and class (the report's census block)."""
+        out = {"splits": {}}
+        for split in SPLITS:
+            per_class = {c: {"files": len(v), "bytes": sum(s for _, s in v)}
+                         for c, v in sorted(self.files[split].items())}
+            out["splits"][split] = {
+                "files": sum(c["files"] for c in per_class.values()),
+                "bytes": sum(c["bytes"] for c in per_class.values()),
+                "classes": len(per_class), "per_class": per_class}
+        out["not_images"] = len(self.not_images)
+        return out
+
+
+def _walk(folder: str, prefix: str = ""):
+    """(name relative to `folder`, DirEntry) of every file below it, depth first, sorted."""
+    with os.scandir(folder) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if e.is_dir():
+            yield from _walk(e.path, f"{prefix}{e.name}/")
+        else:
+            yield f"{prefix}{e.name}", e
+
+
+def take(census: Census, split: str, cls: str, name: str, entry) -> int:
+    """File one DirEntry into the census; return its size (0 when it could not be stat'ed)."""
+    path = entry.path
+    if not name.lower().endswith(IMAGE_SUFFIXES):
+        census.not_images.append((path, "not an image file (by its suffix)"))
+        return 0
+    try:
+        size = entry.stat().st_size  # the one stat of this file
+    except OSError as e:  # a broken link, a file gone or forbidden meanwhile
+        census.bad[path] = f"unreadable: {e.strerror or type(e).__name__}"
+        return 0
+    if size == 0:
+        census.bad[path] = "zero bytes"
+    else:
+        census.files[split][cls].append((name, size))
+    return size
+
+
+def walk(root: str) -> Census:
+    """Census of root/train and root/val, with a progress display per class folder."""
+    census = Census(root=str(root))
+    for split in SPLITS:
+        base = os.path.join(root, split)
+        if not os.path.isdir(base):
+            census.folder_problems.append(
+                f"{base} does not exist (`dataset.root` must hold train/<class>/ and "
+                f"val/<class>/)")
+            continue
+        with os.scandir(base) as it:
+            top = sorted(it, key=lambda e: e.name)
+        for e in top:
+            if not e.is_dir():
+                census.not_images.append((e.path, "not in a class folder"))
+        classes = [e for e in top if e.is_dir()]
+        for e in progress(classes, desc=f"census {split}", unit="class"):
+            census.files[split][e.name] = []
+            for name, entry in _walk(e.path):
+                take(census, split, e.name, name, entry)
+    return census
+
+
+def folder_problems(census: Census) -> list[str]:
+    """Empty class folders and classes present in one split only, as sentences."""
+    problems = list(census.folder_problems)
+    if problems:
+        return problems
+    for split in SPLITS:
+        for cls, entries in sorted(census.files[split].items()):
+            if not entries:
+                problems.append(f"class folder {os.path.join(census.root, split, cls)} holds no "
+                                f"usable image")
+    train, val = set(census.files["train"]), set(census.files["val"])
+    for cls in sorted(train ^ val):
+        have, lack = ("train", "val") if cls in train else ("val", "train")
+        problems.append(f"class {cls!r} is in {have}/ but not in {lack}/ "
+                        f"({os.path.join(census.root, lack, cls)} is missing)")
+    return problems
+
+
+def drop(census: Census, bad: dict[str, str]) -> None:
+    """Remove the files in `bad` (found unreadable or corrupt) from the census's images."""
+    census.bad.update(bad)
+    by_class: dict[tuple[str, str], set[str]] = {}
+    for path in bad:
+        split, cls, name = os.path.relpath(path, census.root).split(os.sep, 2)
+        by_class.setdefault((split, cls), set()).add(name)
+    for (split, cls), names in by_class.items():
+        entries = census.files.get(split, {}).get(cls)
+        if entries is not None:
+            census.files[split][cls] = [(n, s) for n, s in entries if n not in names]
