@@ -120,7 +120,7 @@ class IndexedImages(torch.utils.data.Dataset):
         except (OSError, RuntimeError, ValueError, SyntaxError) as e:
             raise BadImageError(f"{BadImageError.PREFIX}{path} ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''})") from None
-        return self.transform(image), self.targets[i]
+        return self.transform(image), int(self.targets[i])
 
 
 def split_index(source, split: str) -> index.Index:
@@ -133,8 +133,8 @@ def split_index(source, split: str) -> index.Index:
     cen = walk(str(source))
     classes = cen.classes(split)
     lines = [f"{c}/{n}\t{s}" for c in classes for n, s in sorted(cen.files[split][c])]
-    return index.Index(path=str(source), root=str(source), split=split, classes=classes,
-                       counts=[len(cen.files[split][c]) for c in classes], lines=lines)
+    return index.Index.from_lines(source, source, split, classes,
+                                  [len(cen.files[split][c]) for c in classes], lines)
 
 
 def train_dataset(source, decoder: str, resolution: int, recipe,

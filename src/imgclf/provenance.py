@@ -206,20 +206,3 @@ def describe(path, data: dict) -> str:
     for name, digest in p["inputs"].items():
         lines.append(f"  input          {name} sha256:{digest[:16]}")
     return "\n".join(lines)
-
-
-def read_upstream(path, keys, what: str, how: str) -> dict:
-    """An upstream artifact with the keys a stage needs; a missing, broken or incomplete file
-    is a user error that says how to regenerate it."""
-    from imgclf.errors import UserError
-
-    try:
-        d = read_json(path)
-    except FileNotFoundError:
-        raise UserError(f"{what} {path} does not exist: {how}.") from None
-    except ValueError:
-        raise UserError(f"{what} {path} is not valid JSON: delete it and {how}.") from None
-    missing = [k for k in keys if k not in d]
-    if missing:
-        raise UserError(f"{what} {path} lacks {', '.join(missing)}: regenerate it ({how}).")
-    return d

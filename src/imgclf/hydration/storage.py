@@ -53,13 +53,20 @@ def _run_lfs(args: list[str]) -> str:
     return res.stdout
 
 
-def hsm_states(files: list[str], batch: int, parallel: int, desc="lfs hsm_state") -> dict:
-    states: dict[str, set[str]] = {}
+def hsm_states(files: list[str], batch: int, parallel: int,
+               desc="lfs hsm_state") -> dict[str, frozenset]:
+    """{path: flags} of every file. For 1.33 M files the map must stay small: keys are the
+    caller's own path strings, and every file with the same flags shares one frozenset."""
+    states: dict[str, frozenset] = {}
+    shared: dict[frozenset, frozenset] = {}
     chunks = _batches(files, batch)
     with ThreadPoolExecutor(parallel) as pool, \
             progress(total=len(files), desc=desc, unit="file") as bar:
         for chunk, out in zip(chunks, pool.map(lambda c: _run_lfs(["hsm_state", *c]), chunks)):
-            states.update(parse_hsm_state(out))
+            own = {p: p for p in chunk}
+            for path, flags in parse_hsm_state(out).items():
+                flags = frozenset(flags)
+                states[own.get(path, path)] = shared.setdefault(flags, flags)
             bar.update(len(chunk))
     return states
 
