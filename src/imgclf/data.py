@@ -97,6 +97,13 @@ class BadImageError(UserError):
 
     PREFIX = "Cannot decode image "
 
+    @classmethod
+    def own_line(cls, err: Exception) -> str:
+        """`Cannot decode image PATH (REASON)`, also out of the message a DataLoader worker's
+        error is re-raised with (the worker's traceback, with this line in it)."""
+        line = next(ln for ln in str(err).splitlines() if cls.PREFIX in ln)
+        return line[line.index(cls.PREFIX):]
+
 
 class IndexedImages(torch.utils.data.Dataset):
     """The images of one split's file index (imgclf.index) through a decode path: built from

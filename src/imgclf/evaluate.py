@@ -166,8 +166,7 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
         loop_s = predict(model, loader, device, str(model_cfg["precision"]),
                          bool(model_cfg["channels_last"]), acc)
     except data.BadImageError as e:
-        line = next(ln for ln in str(e).splitlines() if data.BadImageError.PREFIX in ln)
-        raise UserError(f"Evaluation stopped: {line[line.index(data.BadImageError.PREFIX):]} "
+        raise UserError(f"Evaluation stopped: {data.BadImageError.own_line(e)} "
                         f"although the hydration check passed it; replace the file or rerun the "
                         f"check (`snakemake --forcerun check_hydration`), which excludes it.") \
             from None

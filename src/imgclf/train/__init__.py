@@ -54,8 +54,7 @@ def broken_file_sentence(err: BadImageError, bad_list: Path, out_dir: Path) -> s
     """Record the file a data loader could not decode; say so in one sentence. The error may
     come from a loader worker, whose re-raised message carries the worker's traceback: the
     file and the reason are read from its own line."""
-    line = next(ln for ln in str(err).splitlines() if BadImageError.PREFIX in ln)
-    detail = line[line.index(BadImageError.PREFIX) + len(BadImageError.PREFIX):]
+    detail = BadImageError.own_line(err)[len(BadImageError.PREFIX):]
     path, _, why = detail.partition(" (")
     with open(bad_list, "a") as f:  # several ranks may append: one short line each
         f.write(path + "\n")
