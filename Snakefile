@@ -4,7 +4,7 @@ import sys
 
 from snakemake.utils import min_version
 
-from imgclf import settings
+from imgclf import settings, slurm
 from imgclf.errors import UserError
 
 min_version("9.0")
@@ -33,6 +33,17 @@ include: "workflow/rules/memory.smk"
 include: "workflow/rules/lr.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
+
+
+# Let the Slurm executor plugin see a cancelled job end (parsed before the executor is chosen;
+# the plugin is a dependency of the package, and this only wraps its status query)
+slurm.job_states_without_who()
+
+
+onerror:
+    # a job Slurm removed before it started has no log of its own: say why here
+    for sentence in slurm.deadline_sentences(log):
+        print(sentence, file=sys.stderr)
 
 
 rule all:

@@ -101,6 +101,7 @@ def provenance(config_slice=None, inputs=()) -> dict:
         "inputs": {str(p): digest_file(p) for p in inputs if Path(p).is_file()},
         "versions": package_versions(),
         "hardware": here,
+        "pid": os.getpid(),  # with the host name: which process (which DDP rank) wrote it
         "workflow": git_revision(Path(__file__).resolve().parent),
     }
 

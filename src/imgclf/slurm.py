@@ -1,6 +1,8 @@
 """Running the workflow on Slurm (snakemake-executor-plugin-slurm): whether a job goes through
-Slurm, the allocation of the DDP training job, and the `srun` line that starts one task per
-device inside it.
+Slurm, the allocation of the DDP training job, the `srun` line that starts one task per device
+inside it (run through this module's command line, which names the task and node that ended a
+failed step), and the sentences and the status fix the plugin lacks for cancelled jobs and jobs
+removed at their deadline.
 
 Under srun, Lightning's SLURMEnvironment takes the world size, the ranks and the main address
 from Slurm (SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, the first node of
@@ -9,6 +11,10 @@ SLURM_NODELIST; the port from the job id): no MASTER_ADDR or NODE_RANK is set by
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import subprocess
+import sys
 
 from imgclf.hardware import usable_cpus
 
@@ -51,6 +57,10 @@ def train_layout(cluster: dict) -> dict:
     }
 
 
+# srun's line for each task that ended badly, e.g. "srun: error: node7: task 3: Killed"
+TASK_ENDED = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<how>.+)")
+
+
 def srun_command(cluster: dict) -> str:
     """The step that starts the training ranks inside the job's allocation. Each task sees all
     of its node's GPUs (a step gets the job's GRES; no --gpu-bind) because Lightning picks
@@ -59,6 +69,11 @@ def srun_command(cluster: dict) -> str:
     lay = train_layout(cluster)
     return (f"srun --nodes={lay['nodes']} --ntasks-per-node={lay['tasks_per_node']} "
             f"--cpus-per-task={lay['cpus_per_task']} --kill-on-bad-exit=1")
+
+
+# The training step runs through run_step (this module's command line) for its failure sentence;
+# the interpreter of the Snakemake that submits the job, on the file system the nodes share.
+STEP_RUNNER = f"{shlex.quote(sys.executable)} -m imgclf.slurm"
 
 
 def train_resources(cluster: dict, slurm: bool) -> dict:
@@ -88,7 +103,7 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
         "tasks_per_gpu": 0 if gpus else None,
         "cpus_per_task": lay["cpus_per_task"],
         "mem_mb_per_cpu": lay["mem_mb_per_node"] // (per_node * lay["cpus_per_task"]),
-        "mpi": srun_command(cluster) if world > 1 else "",
+        "mpi": f"{STEP_RUNNER} {srun_command(cluster)}" if world > 1 else "",
     }
 
 
@@ -109,11 +124,125 @@ def cpu_threads_per_rank(devices_per_node: int) -> int:
     return max(1, cpus // devices_per_node)
 
 
+# The variables a hand-made launch would set, as this process found them when the package was
+# imported: before Lightning's SLURMEnvironment or the process group derive them from Slurm's.
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+LAUNCH_VARS_AT_START = {k: os.environ[k] for k in LAUNCH_VARS if k in os.environ}
+
+
 def task_info() -> dict | None:
-    """This process's Slurm job, step and task, as recorded for each training rank (None when
-    Slurm did not start it)."""
+    """This process's Slurm job, step, task and node, as recorded for each training rank, and
+    the launch variables it was started with (None when Slurm did not start it)."""
     if "SLURM_PROCID" not in os.environ:
         return None
     keys = {"job_id": "SLURM_JOB_ID", "step_id": "SLURM_STEP_ID", "procid": "SLURM_PROCID",
-            "localid": "SLURM_LOCALID", "nodeid": "SLURM_NODEID", "ntasks": "SLURM_NTASKS"}
-    return {k: os.environ.get(v) for k, v in keys.items()}
+            "localid": "SLURM_LOCALID", "nodeid": "SLURM_NODEID", "ntasks": "SLURM_NTASKS",
+            "node": "SLURMD_NODENAME", "step_nodes": "SLURM_STEP_NODELIST"}
+    return {**{k: os.environ.get(v) for k, v in keys.items()},
+            "launch_vars_at_start": LAUNCH_VARS_AT_START}
+
+
+def first_failure(srun_stderr: list[str]) -> dict | None:
+    """The task that ended the step, from srun's "task N: <how>" lines: the first one that
+    srun did not kill itself (--kill-on-bad-exit ends the others with SIGTERM, "Terminated"),
+    else the first one at all."""
+    ended = [m.groupdict() for m in map(TASK_ENDED.search, srun_stderr) if m]
+    own = [e for e in ended if e["how"].strip() != "Terminated"]
+    return (own or ended or [None])[0]
+
+
+def option(command: list[str], name: str) -> str | None:
+    """The value of `name` in a command line (`--log x` or `--log=x`)."""
+    for i, word in enumerate(command):
+        if word == name and i + 1 < len(command):
+            return command[i + 1]
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def slurm_log() -> str:
+    """Where Slurm writes this job's output (the step's tasks print there too)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        show = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True)
+        m = re.search(r"StdOut=(\S+)", show.stdout)
+        if m:
+            return m.group(1)
+    return "this job's Slurm log"
+
+
+def failure_sentence(failure: dict, command: list[str], returncode: int) -> str:
+    """One sentence: which task on which node ended the step, where to read why, what next."""
+    logs = [path for path in (option(command, "--log"), slurm_log()) if path]
+    out_dir = option(command, "--out-dir")
+    again = (f"; run the workflow again to resume from {out_dir}/checkpoints/last.ckpt"
+             if out_dir else "")
+    if failure is None:
+        return (f"The srun step failed (exit code {returncode}) before any task ended; "
+                f"see {' and '.join(logs)}{again}.")
+    return (f"Task {failure['tasks']} on node {failure['node']} ended ({failure['how'].strip()}) "
+            f"and srun stopped the step's other tasks; see {' and '.join(logs)}{again}.")
+
+
+def run_step(srun: list[str]) -> int:
+    """Run the srun line of a training step, passing its output through; when it fails, add one
+    sentence naming the task and node that ended it (srun's own lines are scattered among the
+    ranks' output of every node) and the logs."""
+    proc = subprocess.Popen(srun, stderr=subprocess.PIPE, text=True, errors="replace")
+    seen = []
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        if line.startswith("srun: error:"):
+            seen.append(line)
+    returncode = proc.wait()
+    if returncode:
+        sentence = failure_sentence(first_failure(seen), srun, returncode)
+        sys.stderr.write(sentence + "\n")
+        log = option(srun, "--log")
+        if log:  # rank 0's log, which Snakemake shows first; its writer has ended
+            with open(log, "a") as f:
+                f.write(sentence + "\n")
+    return returncode
+
+
+def job_states_without_who(plugin=None) -> None:
+    """Make the Slurm executor plugin see a cancelled job as cancelled.
+
+    sacct reports a job that a user cancelled as "CANCELLED by <uid>"; the plugin (2.8.0)
+    compares states as whole strings, so it never sees that job end and the workflow waits for
+    it forever. This drops the " by <uid>" before the plugin reads the states. Idempotent."""
+    if plugin is None:
+        import snakemake_executor_plugin_slurm as plugin
+    query = plugin.query_job_status
+    if getattr(query, "drops_who", False):
+        return
+
+    async def query_without_who(command, logger):
+        states, seconds = await query(command, logger)
+        if states:
+            states = {job: state.split(" by ")[0] for job, state in states.items()}
+        return states, seconds
+
+    query_without_who.drops_who = True
+    plugin.query_job_status = query_without_who
+
+
+def deadline_sentences(snakemake_logs) -> list[str]:
+    """One sentence per job that Slurm removed for its --deadline (the plugin's own message
+    says only "status is: 'DEADLINE'. Reason: Unknown"): it never started. `snakemake_logs`:
+    the log file(s) Snakemake hands to `onerror`."""
+    text = ""
+    for path in [snakemake_logs] if isinstance(snakemake_logs, str) else snakemake_logs:
+        with open(path, errors="replace") as f:
+            text += f.read()
+    jobs = dict.fromkeys(re.findall(r"SLURM-job '(\d+)' failed, SLURM status is: 'DEADLINE'",
+                                    text))
+    return [f"Slurm job {job} could not start before its deadline and was removed: the nodes it "
+            f"needs are down or busy (`sinfo -R` lists down nodes and why); run the workflow "
+            f"again when they are back, or allow a longer wait in the `--deadline` of the rule's "
+            f"`slurm_extra` in your profile." for job in jobs]
+
+
+if __name__ == "__main__":
+    sys.exit(run_step(sys.argv[1:]))

@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
-# Stop exactly the daemons tests/slurm/up.sh started, by their pid files (never by name),
-# and remove the configuration it wrote.
+# Stop exactly the daemons tests/slurm/up.sh started, by their pid files (never by name), and
+# remove what it made: the node namespaces, the bridge, its /etc/hosts lines and configuration.
 set -uo pipefail
 STATE="${STATE:-/tmp/imgclf-slurm}"
 MARK="# throw-away cluster of tests/slurm/up.sh"
 
-for name in slurmd slurmctld munged; do
-    pidfile="$STATE/$name.pid"
-    [ -s "$pidfile" ] || continue
-    pid=$(cat "$pidfile")
+stop() {  # pid file
+    [ -s "$1" ] || return 0
+    local pid
+    pid=$(cat "$1")
     if kill -0 "$pid" 2>/dev/null; then
         kill "$pid"
         for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
         kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
     fi
-    rm -f "$pidfile"
-done
-for f in /etc/slurm/slurm.conf /etc/slurm/gres.conf; do
+    rm -f "$1"
+}
+
+for pidfile in "$STATE"/slurmd-*.pid; do stop "$pidfile"; done
+for name in slurmctld slurmdbd mariadbd munged; do stop "$STATE/$name.pid"; done
+if [ -f "$STATE/netns" ]; then
+    while read -r ns; do ip netns del "$ns" 2>/dev/null; done < "$STATE/netns"
+fi
+[ -f "$STATE/bridge" ] && ip link del "$(cat "$STATE/bridge")" 2>/dev/null
+if grep -qF "$MARK" /etc/hosts; then
+    # /etc/hosts may be a bind mount: rewrite it in place rather than replace it
+    kept=$(grep -vF "$MARK" /etc/hosts)
+    printf '%s\n' "$kept" > /etc/hosts
+fi
+for f in /etc/slurm/slurm.conf /etc/slurm/gres.conf /etc/slurm/slurmdbd.conf; do
     [ -f "$f" ] && grep -qF "$MARK" "$f" && rm -f "$f"
 done
 rm -rf "$STATE"

@@ -1,77 +1,171 @@
 #!/usr/bin/env bash
-# Start a throw-away single-node Slurm cluster on this machine (as root), for CI and for trying
-# the Slurm profile: munged, slurmctld and slurmd from Debian's packages, installed if missing.
-# Every daemon writes a pid file under $STATE; tests/slurm/down.sh stops exactly those.
-#   STATE=/tmp/imgclf-slurm tests/slurm/up.sh
+# Start a throw-away multi-node Slurm cluster on this machine (as root), for CI and for trying
+# the Slurm profile. Each compute node is a slurmd in its own network namespace (and host name)
+# on a private bridge, as a real node is its own host on the cluster network; the nodes share
+# this machine's file system as a real cluster shares its parallel file system. The controller,
+# slurmdbd with a local MariaDB for job accounting (sacct), and munged run in the root namespace.
+# Debian's packages, installed if missing. Every daemon writes a pid file under $STATE;
+# tests/slurm/down.sh stops exactly those, and removes the namespaces, bridge and hosts lines.
+#   STATE=/tmp/imgclf-slurm NODES=2 tests/slurm/up.sh
 set -euo pipefail
 STATE="${STATE:-/tmp/imgclf-slurm}"
+NODES="${NODES:-2}"
 CONF=/etc/slurm/slurm.conf   # the plugin's job step drops SLURM_CONF: only this path works
+DBD_CONF=/etc/slurm/slurmdbd.conf
 MARK="# throw-away cluster of tests/slurm/up.sh"
+NET=10.77.0          # the private cluster network: controller .1, node i at .(10+i)
+BRIDGE=imgclf-br0
+DB_PORT=3307         # MariaDB on 127.0.0.1 only, beside any server on the default port
 
 [ "$(id -u)" = 0 ] || { echo "tests/slurm/up.sh must run as root" >&2; exit 1; }
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
-   || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
+need=()
+for pair in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client slurmdbd:slurmdbd \
+            munged:munge mariadbd:mariadb-server ip:iproute2 unshare:util-linux; do
+    command -v "${pair%%:*}" >/dev/null || need+=("${pair#*:}")
+done
+if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-if [ -f "$CONF" ] && ! grep -qF "$MARK" "$CONF"; then
-    echo "$CONF exists and is not ours: refusing to replace a real cluster's configuration" >&2
+for f in "$CONF" "$DBD_CONF"; do
+    if [ -f "$f" ] && ! grep -qF "$MARK" "$f"; then
+        echo "$f exists and is not ours: refusing to replace a real cluster's configuration" >&2
+        exit 1
+    fi
+done
+if [ -e "$STATE" ]; then
+    echo "$STATE exists: a test cluster is up or was not stopped; run tests/slurm/down.sh" >&2
     exit 1
 fi
 
 host=$(hostname -s)
 cpus=$(nproc)
+# Each node offers the whole machine (the nodes share its cores and memory), less 1 GB
 mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
-mkdir -p "$STATE"/{ctld,spool,munge} /etc/slurm /run/munge
+mkdir -p "$STATE"/{ctld,spool,munge,mysql} /etc/slurm /run/munge
 chmod 755 "$STATE" /run/munge "$STATE/munge"   # munged refuses to start otherwise
+
+# --- the cluster network: a bridge, and per node a namespace with a veth pair ---------------
+ip link add "$BRIDGE" type bridge
+ip addr add "$NET.1/24" dev "$BRIDGE"
+ip link set "$BRIDGE" up
+echo "$BRIDGE" > "$STATE/bridge"
+nodes=()
+for i in $(seq 1 "$NODES"); do
+    node=imgclf-n$i
+    nodes+=("$node")
+    ip netns add "$node"
+    echo "$node" >> "$STATE/netns"
+    ip link add "imgclf-v$i" type veth peer name eth0 netns "$node"
+    ip link set "imgclf-v$i" master "$BRIDGE" up
+    ip -n "$node" addr add "$NET.$((10 + i))/24" dev eth0
+    ip -n "$node" link set eth0 up
+    ip -n "$node" link set lo up
+    echo "$NET.$((10 + i)) $node $MARK" >> /etc/hosts
+done
+
+# --- munge, MariaDB, slurmdbd --------------------------------------------------------------
 dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
 chmod 400 "$STATE/munge/munge.key"
+munged --key-file="$STATE/munge/munge.key" --pid-file="$STATE/munged.pid" \
+       --log-file="$STATE/munged.log" --seed-file="$STATE/munge/munged.seed"
 
+mariadb-install-db --no-defaults --datadir="$STATE/mysql" --user=root --skip-test-db \
+    > "$STATE/mariadb-install.log" 2>&1
+mariadbd --no-defaults --datadir="$STATE/mysql" --user=root --bind-address=127.0.0.1 \
+    --port=$DB_PORT --socket="$STATE/mysql.sock" --pid-file="$STATE/mariadbd.pid" \
+    --log-error="$STATE/mariadbd.log" --innodb-buffer-pool-size=64M </dev/null >/dev/null 2>&1 &
+for _ in $(seq 1 60); do [ -S "$STATE/mysql.sock" ] && break; sleep 0.5; done
+db_pass=$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')
+mariadb --no-defaults --socket="$STATE/mysql.sock" -u root -e "
+    CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$db_pass';
+    GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
+
+cat > "$DBD_CONF" <<CONF
+$MARK
+AuthType=auth/munge
+DbdHost=$host
+DbdAddr=$NET.1
+SlurmUser=root
+PidFile=$STATE/slurmdbd.pid
+LogFile=$STATE/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$db_pass
+StorageLoc=slurm_acct_db
+CONF
+chmod 600 "$DBD_CONF"
+slurmdbd
+
+# --- slurmctld and one slurmd per node namespace --------------------------------------------
+node_lines=""
+for i in $(seq 1 "$NODES"); do
+    node_lines+="NodeName=imgclf-n$i NodeAddr=$NET.$((10 + i)) CPUs=$cpus RealMemory=$mem_mb Gres=gpu:1 State=UNKNOWN
+"
+done
 cat > "$CONF" <<CONF
 $MARK
 ClusterName=imgclf-ci
-SlurmctldHost=$host
+SlurmctldHost=$host($NET.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/spool
 SlurmctldPidFile=$STATE/slurmctld.pid
-SlurmdPidFile=$STATE/slurmd.pid
 SlurmctldLogFile=$STATE/slurmctld.log
-SlurmdLogFile=$STATE/slurmd.log
+# several slurmd on one machine: their own spool, pid and log files (%n: the node name)
+SlurmdSpoolDir=$STATE/spool/%n
+SlurmdPidFile=$STATE/slurmd-%n.pid
+SlurmdLogFile=$STATE/slurmd-%n.log
+# job accounting: sacct answers from slurmdbd, the plugin's default status path
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=$NET.1
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=30
 # no systemd, no cgroups here
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
-# no slurmdbd: the workflow's status checks use squeue, which must still see finished jobs
+# finished jobs stay in squeue for the status path of clusters without accounting
 MinJobAge=300
-ReturnToService=2
+# a node set DOWN by hand stays down until `scontrol update ... state=resume`
+ReturnToService=1
+# a cancelled or failed step's tasks get SIGKILL 10 s after SIGTERM (Slurm's default is 30)
+KillWait=10
 MpiDefault=none
-# one pretend GPU so that rules asking for a GPU schedule; the job sees no CUDA device
+# one pretend GPU per node so that rules asking for a GPU schedule (one per node at a time,
+# which spreads one-GPU jobs over the nodes); the job sees no CUDA device
 GresTypes=gpu
-NodeName=$host CPUs=$cpus RealMemory=$mem_mb Gres=gpu:1 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+${node_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 cat > /etc/slurm/gres.conf <<CONF
 $MARK
-NodeName=$host Name=gpu File=/dev/null
+NodeName=imgclf-n[1-$NODES] Name=gpu File=/dev/null
 CONF
 
-munged --key-file="$STATE/munge/munge.key" --pid-file="$STATE/munged.pid" \
-       --log-file="$STATE/munged.log" --seed-file="$STATE/munge/munged.seed"
+for _ in $(seq 1 60); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.5; done
+sacctmgr -i add cluster imgclf-ci >/dev/null
+sacctmgr -i add account demo Description=demo Organization=imgclf >/dev/null
+sacctmgr -i add user root DefaultAccount=demo >/dev/null
 slurmctld
-slurmd
+for node in "${nodes[@]}"; do
+    mkdir -p "$STATE/spool/$node"
+    # its own network and host name (UTS namespace: the ranks' gethostname()); nsenter, not
+    # `ip netns exec`, which would remount /sys without the cgroup file system slurmd reads
+    nsenter --net="/run/netns/$node" unshare --uts sh -c "hostname $node && exec slurmd -N $node"
+done
 
-for _ in $(seq 1 60); do
-    state=$(sinfo -h -o %T 2>/dev/null | head -n1 || true)
-    if [ "$state" = idle ]; then
-        echo "Slurm cluster up: node $host ($cpus CPUs, ${mem_mb} MB, 1 pretend GPU), partition debug"
+for _ in $(seq 1 120); do
+    idle=$(sinfo -h -N -o "%N %T" 2>/dev/null | awk '$2 == "idle"' | wc -l)
+    if [ "$idle" = "$NODES" ]; then
+        echo "Slurm cluster up: nodes ${nodes[*]} ($cpus CPUs, ${mem_mb} MB, 1 pretend GPU each)" \
+             "on $NET.0/24, partition debug, accounting by slurmdbd (account demo); state in $STATE"
         exit 0
     fi
     sleep 0.5
 done
-echo "Slurm cluster did not become idle (state: ${state:-none}); logs in $STATE" >&2
+echo "Slurm nodes did not become idle: $(sinfo -h -N -o '%N %T' 2>&1 | tr '\n' ' ')logs in $STATE" >&2
 exit 1

@@ -299,6 +299,8 @@ def run_shape(job: Job, trainer) -> dict:
         "strategy": f"ddp ({job.backend})",
         # SLURMEnvironment: ranks started by srun; LightningEnvironment: by Lightning's launcher
         "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+        "main_address": (f"{trainer.strategy.cluster_environment.main_address}:"
+                         f"{trainer.strategy.cluster_environment.main_port}"),
         "ranks": next(cb for cb in trainer.callbacks if isinstance(cb, RunRecorder)).ranks,
         "sync_batchnorm": bool(t["sync_batchnorm"]) and job.gpu and trainer.world_size > 1,
         "precision": str(job.params["model"]["precision"]),
