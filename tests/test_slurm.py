@@ -85,6 +85,9 @@ def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_node_for_no_srun():
 
 
 def test_outside_slurm_training_takes_the_local_gpu_pool_only():
+    for entry in (P4X2, CPU2):  # the keys the training rules declare, in either mode
+        for on_slurm in (True, False):
+            assert set(slurm.train_resources(entry, on_slurm)) == set(slurm.TRAIN_RESOURCE_KEYS)
     r = slurm.train_resources(P4X2, False)
     assert r["gpu"] == 8 and r["mpi"] == ""
     assert all(v is None for k, v in r.items() if k not in ("gpu", "mpi"))
@@ -353,10 +356,11 @@ def test_training_was_one_srun_step_over_two_nodes(slurm_demo):
 
 
 def test_failed_job_is_reported_with_its_slurm_log_without_accounting(slurm_demo):
-    """The squeue status path of clusters without slurmdbd: summarize_lr refusing a spread of its
-    runs is a FAILED Slurm job, named with both logs; the finished jobs are kept."""
+    """The squeue status path of clusters without slurmdbd: summarize_lr finding no usable
+    suggestion (every point of the curves skipped) is a FAILED Slurm job, named with both logs;
+    the finished jobs are kept."""
     work, _ = slurm_demo
-    (work / "strict.yaml").write_text("lr_finder: {on_spread: fail, spread_limit: 1.0}\n")
+    (work / "strict.yaml").write_text("lr_finder: {skip_start: 100000}\n")
     rc, out = run_slurm(work, "--slurm-status-command", "squeue", configfiles=["strict.yaml"])
     assert rc != 0
     job = slurm_job_of(out, "summarize_lr")
@@ -364,7 +368,7 @@ def test_failed_job_is_reported_with_its_slurm_log_without_accounting(slurm_demo
     assert (f"SLURM-job '{job}' failed, SLURM status is: 'FAILED'. Detailed failure reason "
             "unavailable (status command is not 'sacct')") in out, out[-4000:]
     assert f"log: logs/lr/ci2x1_summary.log, {log} (check log file(s)" in out, out[-4000:]
-    assert "LR-finder runs disagree" in log.read_text()
+    assert "No LR-finder run produced a usable" in log.read_text()
     assert not set(UPSTREAM) & rules_submitted(out)
 
 
