@@ -32,6 +32,7 @@ include: "workflow/rules/loader.smk"
 include: "workflow/rules/memory.smk"
 include: "workflow/rules/lr.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/validate.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -41,6 +41,15 @@ def test_valley_on_hand_made_curve():
     assert lr_find.suggest_valley(lrs, losses, 0, 0) == lrs[4]
 
 
+def test_minimum_is_a_tenth_of_the_lr_at_the_lowest_loss():
+    x = np.log10(LRS)
+    loss = 3 - np.tanh((x + 2) / 0.4) + np.where(x > -1, 40 * (x + 1) ** 2, 0)  # lowest near 0.1
+    lowest = LRS[10:-5][int(np.argmin(loss[10:-5]))]
+    assert 0.05 < lowest < 0.2
+    assert lr_find.suggest_minimum(LRS, loss, 10, 5) == pytest.approx(lowest / 10)
+    assert lr_find.suggest_minimum(LRS[:12], loss[:12], 10, 5) is None  # too few points
+
+
 def test_non_finite_losses_are_dropped_first():
     x = np.log10(LRS)
     loss = 3 - np.tanh((x + 2) / 0.4)
@@ -96,6 +105,7 @@ def fake_run(run, steepest, nonfinite_at=None):
 
 CFG = {k: settings.section({}, "lr_finder")[k] for k in settings.SUMMARY_KEYS}
 CFG["scaling"] = "linear"
+CFG["suggestion"] = "steepest"  # the fake curves below are made by where they fall fastest
 GRID = 10 ** 0.05  # ratio of neighbouring LRs of the fake curves: a suggestion is within it
 
 

@@ -108,6 +108,9 @@ LR_SUMMARY = {"summarize_lr", table("lr")} | TRAIN
 LR = {"lr_find[run=0]", "lr_find[run=1]"} | LR_SUMMARY
 MEMORY = {"solve_memory", table("memory")} | LR
 LOADER = {"benchmark_loader", table("loader")} | MEMORY
+# the optional LR validation, default grid: planned only when training takes its LR from it
+VALIDATION = {f"validate_lr_run[multiple={m}]" for m in ("0.25", "0.5", "1", "2", "4")} | {
+    "summarize_lr_validation"}
 # the check's dependents wait for it (checkpoint): planned is the check only
 HYDRATION = {"check_hydration", "all"}
 # new demo images: the demo and the check; the stages after it read the check's file index and
@@ -131,6 +134,10 @@ CONFIG_CASES = {
     "lr_finder: gradient": ("lr_finder: {gradient: index}", LR_SUMMARY),
     "lr_finder: until_minimum": ("lr_finder: {until_minimum: false}", LR_SUMMARY),
     "train": ("train: {epochs: 3}", TRAIN),
+    # not in `all`: its grid reaches training only through `train.lr_source: validation`
+    # (tests/test_lr_validation.py edits the grid of a run that trained on it)
+    "validate_lr without lr_source validation": ("validate_lr: {multiples: [0.5, 1, 2]}", set()),
+    "train.lr_source: validation": ("train: {lr_source: validation}", VALIDATION | TRAIN),
     "evaluate": ("evaluate: {top_confused: 5}", EVAL),
     "hardware: g5 entry": ("clusters: {g5: {gpu_memory_gb: 48}}", set()),
     "hardware: local read floor": ("clusters: {local: {min_read_mb_s: 0.5}}", HYDRATION),
@@ -159,6 +166,7 @@ CODE_CASES = {
     "lr_find.py": ("lr_find.py", (), LR),
     "plan.py (read by the LR runs and after)": ("plan.py", (), LR),
     "train/module.py": ("train/module.py", (), TRAIN),
+    "lr_validation.py (imported by training)": ("lr_validation.py", (), TRAIN),
     "evaluate.py": ("evaluate.py", (), EVAL),
     "report_tables.py": ("report_tables.py", (), TABLES | {"all"}),
     # the stages up to the LR summary do not run evaluate.py

@@ -115,8 +115,10 @@ def cmd_train(args):
     from imgclf import train
 
     params, name = _stage_params(args, settings.train_params)
+    validated = settings.section(params, "train")["lr_source"] == "validation"
+    default_lr = f"results/lr/{name}_{'validation' if validated else 'summary'}.json"
     summary = train.run(params, args.memory or f"results/memory/{name}.json",
-                        args.lr_summary or f"results/lr/{name}_summary.json",
+                        args.lr_summary or default_lr,
                         args.out_dir or f"results/train/{name}")
     if summary is not None:  # global rank 0
         print(json.dumps({"best_val_acc1": summary["best"]["val_acc1"],
@@ -259,7 +261,9 @@ def _ddp_commands(sub) -> None:
     p = sub.add_parser("train", help="DDP training (Lightning), resumes from last.ckpt")
     _ddp_common(p, "train")
     p.add_argument("--lr-summary", default=None,
-                   help="LR summary JSON (default results/lr/CLUSTER_summary.json)")
+                   help="LR summary JSON (default results/lr/CLUSTER_summary.json); with "
+                        "`train.lr_source: validation` the LR validation JSON (default "
+                        "results/lr/CLUSTER_validation.json)")
     p.add_argument("--out-dir", default=None, help="default results/train/CLUSTER")
     p.set_defaults(fn=cmd_train)
 

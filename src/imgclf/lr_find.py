@@ -55,6 +55,19 @@ def suggest_steepest(lrs, losses, skip_start=10, skip_end=5, gradient="log_lr",
     return float(lrs[int(np.argmin(grad))])
 
 
+def suggest_minimum(lrs, losses, skip_start=10, skip_end=5):
+    """fastai's `minimum`: a tenth of the LR at the lowest smoothed loss, the loss being lowest
+    just before it diverges. The default: on the demo at a 2-epoch budget it chose, for every
+    seed, LRs 0.4 to 1.2 half-octave steps below the best of a dense grid of real trainings,
+    on the safe side of the cliff just above that best; `steepest` put half of the seeds on
+    the cliff (top-1 74 % against 80-84 %), the valley 2 to 5 steps below (docs/benchmarks.md,
+    "How good is the LR choice")."""
+    lrs, losses = _window(lrs, losses, skip_start, skip_end)
+    if len(losses) < 2:
+        return None
+    return float(lrs[int(np.argmin(losses))] / 10)
+
+
 def suggest_valley(lrs, losses, skip_start=10, skip_end=5):
     """fastai's `valley`: the longest descending stretch of the loss; pick a point 1/2 of
     the way into its middle third."""
@@ -231,7 +244,8 @@ def read_curve(run: dict, cfg: dict) -> dict:
     h, kw = run["history"], {"skip_start": cfg["skip_start"], "skip_end": cfg["skip_end"]}
     found = {"steepest": suggest_steepest(h["lr"], h["smoothed_loss"], gradient=cfg["gradient"],
                                           until_minimum=cfg["until_minimum"], **kw),
-             "valley": suggest_valley(h["lr"], h["smoothed_loss"], **kw)}
+             "valley": suggest_valley(h["lr"], h["smoothed_loss"], **kw),
+             "minimum": suggest_minimum(h["lr"], h["smoothed_loss"], **kw)}
     lr, flags = found[cfg["suggestion"]], []
     bad = run.get("first_nonfinite_iteration")
     if lr is None:

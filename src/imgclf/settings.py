@@ -326,3 +326,30 @@ def evaluate_params(config: dict, cluster_name: str) -> dict:
         "evaluate": config["evaluate"],
         "cluster": stage_hardware(config, cluster_name),
     })
+
+
+def validate_lr_run_params(config: dict, cluster_name: str, multiple) -> dict:
+    """validate_lr_run: what training gets (train_params), with the summary's LR as its source
+    and `validate_lr.seed` as its seed whatever `train.*` says, plus the run's multiple and
+    budget. Neither the other multiples nor the tolerance reach it: adding a multiple or
+    relaxing the verdict redoes no run, and `train.lr_source`/`seed`/`save_top_k` never
+    replan one."""
+    from imgclf import lr_validation
+
+    v = config["validate_lr"]
+    params = train_params(config, cluster_name)
+    # one best checkpoint besides last.ckpt (which a resume needs): the runs are compared by
+    # their final figures, and five multiples x top-5 checkpoints would be wasted disk
+    params["train"] = {**params["train"], "lr_source": "lr_finder", "seed": v["seed"],
+                       "save_top_k": 1}
+    params["validation"] = {"multiple": float(multiple), "budget": lr_validation.budget(v)}
+    return canonical(params)
+
+
+def lr_validation_params(config: dict, cluster_name: str) -> dict:
+    """summarize_lr_validation: the grid it expects and the verdict's tolerance."""
+    from imgclf import lr_validation
+
+    v = config["validate_lr"]
+    return canonical({"multiples": lr_validation.grid(v["multiples"]),
+                      "tolerance": v["tolerance"]})

@@ -76,6 +76,11 @@ def srun_command(cluster: dict) -> str:
 STEP_RUNNER = f"{shlex.quote(sys.executable)} -m imgclf.slurm"
 
 
+# The Snakemake resources of a job that trains (train_model, validate_lr_run)
+TRAIN_RESOURCE_KEYS = ("gpu", "mpi", "nodes", "tasks", "tasks_per_node", "tasks_per_gpu", "gres",
+                       "cpus_per_task", "mem_mb_per_cpu")
+
+
 def train_resources(cluster: dict, slurm: bool) -> dict:
     """Snakemake resources of the training job (a None value leaves the resource unset).
 

@@ -3,7 +3,7 @@ import json
 import sys
 from pathlib import Path
 
-from imgclf import report_tables
+from imgclf import lr_validation, report_tables
 
 # the CLI of the environment Snakemake runs in (it need not be on PATH)
 IMGCLF = str(Path(sys.executable).parent / "imgclf")
@@ -13,6 +13,16 @@ wildcard_constraints:
     cluster="|".join(sorted(config["clusters"], key=len, reverse=True)),
     run=r"\d+",
     table="|".join(report_tables.TABLES),
+
+
+def training_resources():
+    """Resources of a job that trains (train_model, validate_lr_run), one lambda per key of
+    slurm.train_resources: the GPU pool locally, the allocation and srun line under Slurm.
+    """
+    return {
+        key: (lambda wc, key=key: slurm.train_resource(workflow, hw(wc), key))
+        for key in slurm.TRAIN_RESOURCE_KEYS
+    }
 
 
 def hw(wildcards):
@@ -82,10 +92,22 @@ def train_targets(cluster):
 
 
 def lr_summary_input(wildcards):
-    """The LR summary, unless training takes the recipe's own LR."""
-    if config["train"]["lr_source"] == "recipe":
+    """Where training takes its LR from: the LR summary, the LR validation
+    (`train.lr_source: validation`; passed as --lr-summary) or none (recipe)."""
+    source = config["train"]["lr_source"]
+    if source == "recipe":
         return []
+    if source == "validation":
+        return f"results/lr/{wildcards.cluster}_validation.json"
     return f"results/lr/{wildcards.cluster}_summary.json"
+
+
+def lr_validation_runs(cluster):
+    """The train summary of each multiple of the LR validation grid."""
+    return [
+        f"results/lr/{cluster}/validate/x{lr_validation.multiple_name(m)}/train_summary.json"
+        for m in lr_validation.grid(config["validate_lr"]["multiples"])
+    ]
 
 
 def lr_runs(cluster):

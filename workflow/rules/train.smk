@@ -1,8 +1,5 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
 # that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
-from imgclf import slurm
-
-
 rule train_model:
     """Lightning DDP training from a real CLI entry point: Lightning's DDP launcher re-executes
     the command line, which a `script:` temp file would not survive; under Slurm, `srun` (in
@@ -14,7 +11,7 @@ rule train_model:
         lr=lr_summary_input,
         train_index=train_index,
         val_index=val_index,
-        code=code("train", "recipes", "data", "index", "plan", "plots"),
+        code=code("train", "recipes", "data", "index", "plan", "plots", "lr_validation"),
     output:
         best="results/train/{cluster}/best.ckpt",
         metrics="results/train/{cluster}/metrics.csv",
@@ -30,19 +27,7 @@ rule train_model:
         "benchmarks/train/{cluster}.tsv"
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
-        gpu=lambda wc: slurm.train_resource(workflow, hw(wc), "gpu"),
-        mpi=lambda wc: slurm.train_resource(workflow, hw(wc), "mpi"),
-        nodes=lambda wc: slurm.train_resource(workflow, hw(wc), "nodes"),
-        tasks=lambda wc: slurm.train_resource(workflow, hw(wc), "tasks"),
-        tasks_per_node=lambda wc: slurm.train_resource(
-            workflow, hw(wc), "tasks_per_node"
-        ),
-        tasks_per_gpu=lambda wc: slurm.train_resource(workflow, hw(wc), "tasks_per_gpu"),
-        gres=lambda wc: slurm.train_resource(workflow, hw(wc), "gres"),
-        cpus_per_task=lambda wc: slurm.train_resource(workflow, hw(wc), "cpus_per_task"),
-        mem_mb_per_cpu=lambda wc: slurm.train_resource(
-            workflow, hw(wc), "mem_mb_per_cpu"
-        ),
+        **training_resources(),
     params:
         p=lambda wc: json.dumps(
             settings.train_params(config, wc.cluster), sort_keys=True

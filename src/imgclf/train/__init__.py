@@ -29,14 +29,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 
-from imgclf import provenance, recipes, settings, slurm
+from imgclf import lr_validation, provenance, recipes, settings, slurm
 from imgclf.data import BadImageError
 from imgclf.index import BAD_FILES, read_bad_files
 from imgclf.errors import UserError
 from imgclf.plan import LRSummary, Plan
 from imgclf.train import summary as after
 from imgclf.train.callbacks import (AtomicCheckpointIO, RunRecorder, Throughput,
-                                    progress_callbacks)
+                                    ValidateAtStepBudget, progress_callbacks)
 from imgclf.train.ema import for_recipe
 from imgclf.train.module import ImageClassifier, ImageData, datasets, warmup_steps
 from imgclf.train.resume import agreed_resume, supersede, train_digest
@@ -65,9 +65,12 @@ def broken_file_sentence(err: BadImageError, bad_list: Path, out_dir: Path) -> s
 
 
 def resolve_lr(source: str, lr_summary_path, recipe: recipes.Recipe, plan: Plan) -> dict:
-    """Peak LR and where it came from (recorded in the summary and the digest)."""
+    """Peak LR and where it came from (recorded in the summary and the digest). With
+    `validation`, `lr_summary_path` is the LR validation JSON and the LR its grid's best."""
     from imgclf.lr_find import scale_lr, scaling_rule
 
+    if source == "validation":
+        return validated_lr(lr_summary_path, plan)
     if source == "recipe":
         rule, why = scaling_rule({"scaling": "auto"}, recipe)
         value = scale_lr(recipe.lr, recipe.ref_batch, plan.global_batch, rule)
@@ -84,6 +87,20 @@ def resolve_lr(source: str, lr_summary_path, recipe: recipes.Recipe, plan: Plan)
             "global_batch": plan.global_batch,
             "detail": f"LR finder {s.chosen_lr:.4g} at batch {s.finder_batch}, {s.scaling} "
                       f"scaling to global batch {plan.global_batch}"}
+
+
+def validated_lr(path, plan: Plan) -> dict:
+    """The best LR of the LR validation grid (`train.lr_source: validation`)."""
+    d = lr_validation.read_best(path)
+    if d["global_batch"] != plan.global_batch:
+        raise UserError(f"LR validation {path} is for global batch {d['global_batch']} but the "
+                        f"memory solve plans {plan.global_batch}: rerun `snakemake {path}`.")
+    best = d["best"]
+    return {"value": float(best["lr"]), "source": "validation", "file": str(path),
+            "multiple": best["multiple"], "lr_finder_lr": d["training_lr"],
+            "verdict": d.get("verdict"), "global_batch": plan.global_batch,
+            "detail": f"best of the LR validation grid: {best['multiple']:g} x the LR finder's "
+                      f"{d['training_lr']:.4g} (validation loss {best['val_loss']:.4g})"}
 
 
 def check_hardware(cluster: dict, precision: str) -> None:
@@ -116,6 +133,13 @@ class Job:
     out_dir: Path
     digest: str
     resume: dict
+    max_steps: int | None = None  # an LR validation run's steps budget
+    warmup_fraction: float | None = None  # an LR validation run's compressed warm-up
+
+    @property
+    def validation(self) -> dict | None:
+        """The multiple and budget of an LR validation run; None for a real training."""
+        return self.params.get("validation")
 
     @property
     def cluster(self) -> dict:
@@ -145,12 +169,17 @@ def prepare(params: dict, memory_path, lr_summary_path, out_dir) -> Job:
                         f"{cluster['name']!r} has {world}: rerun `snakemake {memory_path}`.")
     recipe = recipes.get(model_cfg["recipe"])
     lr = resolve_lr(t["lr_source"], lr_summary_path, recipe, plan)
+    epochs, max_steps, warmup = int(t["epochs"] or recipe.epochs), None, None
+    if params.get("validation"):  # a short run at a multiple of the LR, schedule compressed
+        lr = lr_validation.run_lr(lr, params["validation"])
+        warmup = lr_validation.warmup_fraction(recipe, epochs)
+        epochs, max_steps = lr_validation.run_length(params["validation"], epochs)
     digest = train_digest(params, t, plan, lr, recipe)
     resume = agreed_resume(Path(out_dir) / "checkpoints", digest,
                            "nccl" if cluster["accelerator"] == "gpu" else "gloo")
-    return Job(params=params, t=t, plan=plan, recipe=recipe, lr=lr,
-               epochs=int(t["epochs"] or recipe.epochs), out_dir=Path(out_dir), digest=digest,
-               resume=resume)
+    return Job(params=params, t=t, plan=plan, recipe=recipe, lr=lr, epochs=epochs,
+               out_dir=Path(out_dir), digest=digest, resume=resume, max_steps=max_steps,
+               warmup_fraction=warmup)
 
 
 def build_trainer(job: Job, loggers: list, callbacks: list, show_bar: bool) -> L.Trainer:
@@ -170,7 +199,8 @@ def build_trainer(job: Job, loggers: list, callbacks: list, show_bar: bool) -> L
         sync_batchnorm=bool(t["sync_batchnorm"]) and job.gpu and world > 1,
         precision=str(job.params["model"]["precision"]),
         accumulate_grad_batches=job.plan.accumulate_grad_batches,
-        max_epochs=job.epochs, benchmark=bool(t["cudnn_benchmark"]) if job.gpu else None,
+        max_epochs=job.epochs, max_steps=job.max_steps or -1,
+        benchmark=bool(t["cudnn_benchmark"]) if job.gpu else None,
         deterministic=bool(t["deterministic"]), logger=loggers,
         callbacks=callbacks, enable_progress_bar=show_bar,
         default_root_dir=job.out_dir, log_every_n_steps=int(t["log_every_n_steps"]),
@@ -217,7 +247,8 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
     module = ImageClassifier(model_cfg["arch"], train_set.classes, job.recipe.name,
                              job.lr["value"], job.recipe.warmup_epochs,
                              channels_last=bool(model_cfg["channels_last"]),
-                             compile=bool(job.t["compile"]), train_digest=job.digest)
+                             compile=bool(job.t["compile"]), train_digest=job.digest,
+                             warmup_fraction=job.warmup_fraction)
     datamodule = ImageData(train_set, val_set, job.recipe.name, job.plan.per_device_batch,
                            job.plan.num_workers, job.plan.prefetch_factor, pin_memory=job.gpu,
                            seed=job.t["seed"])
@@ -228,9 +259,12 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
         dirpath=job.out_dir / "checkpoints", filename=CKPT_NAME, auto_insert_metric_name=False,
         monitor="val/acc1", mode="max", save_top_k=int(job.t["save_top_k"]), save_last=True)
     bars, show_bar = progress_callbacks(throughput)
+    ema_warmup = min(job.recipe.warmup_epochs, job.epochs / 2) if job.warmup_fraction is None \
+        else job.warmup_fraction * job.epochs
     ema = for_recipe(job.recipe, global_batch=job.plan.global_batch, epochs=job.epochs,
-                     warmup_epochs=min(job.recipe.warmup_epochs, job.epochs / 2))
-    callbacks = [throughput, recorder, checkpoint, *bars, *([ema] if ema else [])]
+                     warmup_epochs=ema_warmup)
+    callbacks = [throughput, recorder, checkpoint, *bars, *([ema] if ema else []),
+                 *([ValidateAtStepBudget(job.max_steps)] if job.max_steps else [])]
     trainer = build_trainer(job, loggers, callbacks, show_bar)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=job.resume["path"])
@@ -255,7 +289,8 @@ def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
                                   total_steps)
     summary = {
         "cluster": job.cluster["name"],
-        "completed": trainer.current_epoch >= job.epochs,
+        "completed": trainer.global_step >= job.max_steps if job.max_steps
+        else trainer.current_epoch >= job.epochs,
         "epochs_planned": job.epochs,
         "epochs_run": trainer.current_epoch,
         "best": after.keep_best(checkpoint, job.out_dir),
@@ -267,6 +302,8 @@ def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
         **run_shape(job, trainer),
         **schedule(job, total_steps),
         "lr": job.lr,
+        **({"validation": {**job.validation, "max_epochs": job.epochs,
+                           "max_steps": job.max_steps}} if job.validation else {}),
         "model": job.params["model"],
         "recipe": job.recipe.as_dict(),
         "num_classes": len(datamodule.train_set.classes),
@@ -279,7 +316,7 @@ def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
         "checkpoint_dir": str(job.out_dir / "checkpoints"),
         "seed": job.t["seed"],
     }
-    inputs = [job.plan.path] + ([job.lr["file"]] if job.lr["source"] == "lr_finder" else [])
+    inputs = [job.plan.path] + ([job.lr["file"]] if "file" in job.lr else [])
     written = provenance.write_artifact(job.out_dir / "train_summary.json", summary,
                                         config_slice={**job.params, "train": job.t},
                                         inputs=inputs)
@@ -318,7 +355,10 @@ def run_shape(job: Job, trainer) -> dict:
 
 def schedule(job: Job, total_steps: int) -> dict:
     per_epoch = total_steps / job.epochs
-    warm = warmup_steps(job.recipe.warmup_epochs, per_epoch, total_steps)
+    if job.warmup_fraction is None:
+        warm = warmup_steps(job.recipe.warmup_epochs, per_epoch, total_steps)
+    else:  # an LR validation run: the recipe's warm-up share of its budget
+        warm = warmup_steps(job.warmup_fraction, total_steps, total_steps)
     return {
         "steps_per_epoch": max(1, total_steps // job.epochs),
         "total_steps": total_steps,

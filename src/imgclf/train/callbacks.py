@@ -176,6 +176,19 @@ class RunRecorder(Callback):
         self.wall_before = state_dict.get("wall_seconds", 0.0)
 
 
+class ValidateAtStepBudget(Callback):
+    """Stop at the step budget of an LR validation run through `trainer.should_stop`, which
+    Lightning follows with a validation pass; reaching `max_steps` mid-epoch ends the run
+    without one, leaving no final validation loss and no checkpoint to compare."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """torch.save to a temp file beside the target, then rename: a kill never leaves half a
     last.ckpt (Lightning's own transaction writes to /tmp and moves, not atomic across mounts)."""

@@ -54,7 +54,7 @@ class ImageClassifier(L.LightningModule):
 
     def __init__(self, arch: str, classes: list[str], recipe: str, lr: float,
                  warmup_epochs: float, channels_last: bool = False, compile: bool = False,
-                 train_digest: str = ""):
+                 train_digest: str = "", warmup_fraction: float | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.recipe = recipes.get(recipe)
@@ -116,8 +116,10 @@ class ImageClassifier(L.LightningModule):
         opt = recipes.build_optimizer(self.model, self.recipe, self.hparams.lr)
         total = int(self.trainer.estimated_stepping_batches)
         per_epoch = total / max(1, self.trainer.max_epochs)
-        sched = lr_schedule(opt, total_steps=total,
-                            warmup_steps=warmup_steps(self.hparams.warmup_epochs, per_epoch, total),
+        warm = warmup_steps(self.hparams.warmup_epochs, per_epoch, total)
+        if self.hparams.get("warmup_fraction") is not None:  # an LR validation run's budget
+            warm = warmup_steps(self.hparams.warmup_fraction, total, total)
+        sched = lr_schedule(opt, total_steps=total, warmup_steps=warm,
                             start_factor=self.recipe.warmup_start_factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -42,6 +42,8 @@ def train_digest(params: dict, t: dict, plan, lr: dict, recipe) -> str:
         "world": [c["accelerator"], c["devices_per_node"], c["nodes"]],
         "plan": [plan.per_device_batch, plan.accumulate_grad_batches, plan.decoder],
         "lr": [lr["source"], lr["value"]],
+        # an LR validation run: its multiple and budget (absent from a real training's digest)
+        **({"validation": params["validation"]} if params.get("validation") else {}),
     })
 
 

@@ -1,0 +1,188 @@
+"""LR validation: short real trainings at multiples of the LR the range tests chose.
+
+The range tests read a learning rate off a loss curve measured over a few hundred steps with an
+exponentially growing LR; nothing in them trains a model. This stage checks the choice against
+what it is for: each multiple of the summary's `training_lr` (1/4 to 4 by default) trains with
+the real training code, recipe, data, batch, accumulation and world of the plan, over a short
+budget whose warm-up and cosine decay are the recipe's schedule compressed into it. The
+aggregate ranks the LRs by final validation loss and says whether the chosen LR holds up
+(`ok`) or the grid prefers another (`warn`); `train.lr_source: validation` trains at the
+grid's best.
+
+Each multiple is its own training job (results/lr/{cluster}/validate/x{multiple}/), so a
+cluster runs them side by side; this module holds what those jobs and the aggregate share."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from imgclf.errors import UserError
+from imgclf.provenance import read_json, write_artifact
+
+log = logging.getLogger(__name__)
+
+
+# --- the grid and the budget -----------------------------------------------------------------
+
+def grid(multiples) -> list[float]:
+    """The multiples to train, sorted, with 1 (the chosen LR itself) always among them: the
+    verdict compares the others with it."""
+    return sorted({float(m) for m in multiples} | {1.0})
+
+
+def multiple_name(multiple: float) -> str:
+    """How a multiple appears in paths (x0.25, x1, x4): short, and the same float every time."""
+    return f"{float(multiple):g}"
+
+
+def budget(cfg: dict) -> dict:
+    """The budget one validation run trains for, as the one key that sets it: `steps` over
+    `epochs` over `fraction` (of the training's epochs). Only that key reaches the runs, so
+    editing an unused one replans nothing."""
+    if cfg["steps"] is not None:
+        return {"steps": int(cfg["steps"])}
+    if cfg["epochs"] is not None:
+        return {"epochs": int(cfg["epochs"])}
+    return {"fraction": float(cfg["fraction"])}
+
+
+def run_length(spec: dict, training_epochs: int) -> tuple[int, int | None]:
+    """(max_epochs, max_steps) of a validation run. A steps budget bounds the epochs by the
+    steps (every epoch has at least one step), so the schedule is computed over the steps."""
+    b = spec["budget"]
+    if "steps" in b:
+        return int(b["steps"]), int(b["steps"])
+    if "epochs" in b:
+        return int(b["epochs"]), None
+    return max(1, round(b["fraction"] * training_epochs)), None
+
+
+def warmup_fraction(recipe, training_epochs: int) -> float:
+    """The share of the run the recipe warms up for in a full training (5 of 90 epochs for
+    goyal), kept in the short run: the schedule is compressed, not cut off."""
+    return min(recipe.warmup_epochs / training_epochs, 0.5)
+
+
+def run_lr(summary_lr: dict, spec: dict) -> dict:
+    """The LR of one validation run: the summary's training LR times the run's multiple."""
+    m = float(spec["multiple"])
+    return {**summary_lr, "value": summary_lr["value"] * m, "multiple": m,
+            "base_lr": summary_lr["value"],
+            "detail": f"{m:g} x the training LR {summary_lr['value']:.4g} ({summary_lr['detail']})"}
+
+
+# --- the aggregate ---------------------------------------------------------------------------
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def read_run(path) -> dict:
+    """One validation run's figures from its train_summary.json."""
+    try:
+        s = read_json(path)
+        lr, final = s["lr"], s["final"]
+        return {"multiple": float(lr["multiple"]), "lr": float(lr["value"]),
+                "val_loss": final["val_loss"], "val_acc1": final["val_acc1"],
+                "completed": bool(s["completed"]),
+                "budget": (s.get("validation") or {}).get("budget"), "file": str(path)}
+    except FileNotFoundError:
+        raise UserError(f"LR validation run {path} does not exist: run `snakemake {path}`.") \
+            from None
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path} is not the summary of an LR validation run: delete it and run "
+                        f"`snakemake {path}`.") from None
+
+
+def rank(runs: list[dict]) -> list[dict]:
+    """The runs best first by validation loss; a run without a finite loss (diverged) ranks
+    last. Ties go to the multiple nearest 1, so that a flat grid keeps the chosen LR."""
+    def key(r):
+        loss = r["val_loss"] if _finite(r["val_loss"]) else math.inf
+        return (loss, abs(math.log(r["multiple"])))
+    return sorted(runs, key=key)
+
+
+def verdict(runs: list[dict], tolerance: float) -> dict:
+    """Best of the grid, where the chosen LR (multiple 1) ranks, and ok/warn with the reason.
+
+    `ok` when the chosen LR's loss is within `tolerance` (relative) of the best: the grid is
+    coarse and a short run noisy, so a slightly better neighbour is no reason to move."""
+    ranked = rank(runs)
+    best = ranked[0]
+    if not _finite(best["val_loss"]):
+        raise UserError("No LR validation run reached a finite validation loss: lower "
+                        "`validate_lr.multiples`, or check the LR summary and the data.")
+    chosen = next((r for r in runs if r["multiple"] == 1.0), None)
+    if chosen is None:
+        raise UserError("The LR validation runs lack multiple 1 (the chosen LR): rerun the "
+                        "stage (`snakemake results/lr/CLUSTER_validation.json`).")
+    position = ranked.index(chosen) + 1
+    out = {"best": best, "chosen": chosen, "chosen_rank": position, "of": len(runs),
+           "tolerance": tolerance}
+    if not _finite(chosen["val_loss"]):
+        return {**out, "verdict": "warn", "preferred_lr": best["lr"],
+                "reason": f"The chosen LR {chosen['lr']:.4g} diverged (validation loss "
+                          f"{chosen['val_loss']}) while {best['multiple']:g}x it "
+                          f"({best['lr']:.4g}) reached {best['val_loss']:.4g}."}
+    excess = chosen["val_loss"] / best["val_loss"] - 1 if best["val_loss"] > 0 else \
+        (0.0 if chosen["val_loss"] <= best["val_loss"] else math.inf)
+    if position == 1:
+        return {**out, "verdict": "ok", "preferred_lr": chosen["lr"],
+                "reason": f"The chosen LR {chosen['lr']:.4g} is the grid's best, validation "
+                          f"loss {chosen['val_loss']:.4g}."}
+    if excess <= tolerance:
+        return {**out, "verdict": "ok", "preferred_lr": chosen["lr"],
+                "reason": f"The chosen LR {chosen['lr']:.4g} ranks {position} of {len(runs)}, "
+                          f"its validation loss {chosen['val_loss']:.4g} within "
+                          f"{tolerance:.0%} of the grid's best {best['val_loss']:.4g} at "
+                          f"{best['multiple']:g}x ({best['lr']:.4g})."}
+    return {**out, "verdict": "warn", "preferred_lr": best["lr"],
+            "reason": f"The chosen LR {chosen['lr']:.4g} ranks {position} of {len(runs)}: its "
+                      f"validation loss {chosen['val_loss']:.4g} is {excess:.0%} above the "
+                      f"grid's best {best['val_loss']:.4g} at {best['multiple']:g}x "
+                      f"({best['lr']:.4g}), beyond `validate_lr.tolerance` = {tolerance:g}."}
+
+
+def summarize(run_paths, summary_path, multiples, tolerance: float, out, plot) -> dict:
+    """results/lr/{cluster}_validation.json and its plot from the runs' train summaries."""
+    runs = sorted((read_run(p) for p in run_paths), key=lambda r: r["multiple"])
+    missing = sorted(set(grid(multiples)) - {r["multiple"] for r in runs})
+    if missing:
+        names = ", ".join(f"{m:g}" for m in missing)
+        raise UserError(f"No LR validation run for multiple(s) {names} of "
+                        f"`validate_lr.multiples`: rerun the stage with Snakemake.")
+    lr_summary = read_json(summary_path)
+    v = verdict(runs, tolerance)
+    result = {
+        "training_lr": lr_summary["training_lr"], "global_batch": lr_summary["global_batch"],
+        "budget": runs[0]["budget"], "runs": runs, "best": v["best"],
+        "chosen_rank": v["chosen_rank"], "of": v["of"],
+        "verdict": v["verdict"], "preferred_lr": v["preferred_lr"], "reason": v["reason"],
+        "tolerance": tolerance,
+    }
+    (log.info if v["verdict"] == "ok" else log.warning)("%s", v["reason"])
+    from imgclf import plots  # matplotlib: only here, not when Snakemake computes params
+
+    plots.lr_validation(result, plot)
+    return write_artifact(out, result, config_slice={"multiples": grid(multiples),
+                                                     "tolerance": tolerance},
+                          inputs=[*run_paths, summary_path])
+
+
+# --- what training reads back (`train.lr_source: validation`) ----------------------------------
+
+def read_best(path) -> dict:
+    """The grid's best LR from a validation JSON, checked."""
+    how = f"run `snakemake {path}` or set `train.lr_source: lr_finder`"
+    try:
+        d = read_json(path)
+    except FileNotFoundError:
+        raise UserError(f"LR validation {path} does not exist: {how}.") from None
+    except ValueError:
+        raise UserError(f"LR validation {path} is not valid JSON: delete it and {how}.") from None
+    best = d.get("best") or {}
+    if not _finite(best.get("lr")) or best["lr"] <= 0 or "global_batch" not in d:
+        raise UserError(f"LR validation {path} has no positive best LR: {how}.")
+    return d

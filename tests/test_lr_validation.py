@@ -1,0 +1,246 @@
+"""LR validation: the verdict on hand-made grids, the budget and config slices, training at the
+grid's best (`train.lr_source: validation`), and one real Snakemake run of the stage on the demo
+data (two multiples, three steps each) with the change propagation it implies."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+
+import pytest
+from PIL import Image
+
+from conftest import FAST_LOADER_YAML, snakemake
+from imgclf import lr_validation, recipes, settings, train
+from imgclf.errors import UserError
+from imgclf.plan import Plan
+
+
+def run(multiple, val_loss, val_acc1=0.5, base=0.1):
+    return {"multiple": float(multiple), "lr": base * multiple, "val_loss": val_loss,
+            "val_acc1": val_acc1, "completed": True, "file": f"x{multiple:g}.json"}
+
+
+# --- the verdict -------------------------------------------------------------------------------
+
+def test_chosen_lr_best_of_the_grid_is_ok():
+    v = lr_validation.verdict([run(0.5, 0.9), run(1, 0.4), run(2, 0.6)], tolerance=0.1)
+    assert v["verdict"] == "ok" and v["chosen_rank"] == 1 and v["best"]["multiple"] == 1
+    assert v["preferred_lr"] == pytest.approx(0.1)
+
+
+def test_chosen_lr_within_tolerance_of_the_best_is_ok():
+    v = lr_validation.verdict([run(1, 0.43), run(2, 0.40), run(4, 0.7)], tolerance=0.1)
+    assert v["verdict"] == "ok" and v["chosen_rank"] == 2 and v["best"]["multiple"] == 2
+    assert v["preferred_lr"] == pytest.approx(0.1)  # a near tie is no reason to move
+    assert "within 10%" in v["reason"]
+
+
+def test_clearly_better_neighbour_warns_with_the_lr_it_prefers():
+    v = lr_validation.verdict([run(0.25, 1.2), run(1, 0.8), run(2, 0.5), run(4, 0.6)],
+                              tolerance=0.1)
+    assert v["verdict"] == "warn" and v["chosen_rank"] == 3
+    assert v["preferred_lr"] == pytest.approx(0.2) and v["best"]["multiple"] == 2
+    assert "60% above" in v["reason"] and "validate_lr.tolerance" in v["reason"]
+    assert v["reason"].count(".") >= 1 and "\n" not in v["reason"]
+
+
+def test_ties_go_to_the_multiple_nearest_the_chosen_lr():
+    v = lr_validation.verdict([run(0.5, 0.4), run(1, 0.4), run(2, 0.4)], tolerance=0.0)
+    assert v["verdict"] == "ok" and v["chosen_rank"] == 1
+    v = lr_validation.verdict([run(0.25, 0.3), run(0.5, 0.3), run(1, 0.9), run(4, 0.3)],
+                              tolerance=0.0)
+    assert v["best"]["multiple"] == 0.5  # of the tied three, the one nearest 1 in log space
+
+
+def test_diverged_runs_rank_last_and_a_diverged_choice_warns():
+    v = lr_validation.verdict([run(1, 0.5), run(2, math.nan), run(4, math.inf)], tolerance=0.1)
+    assert v["verdict"] == "ok" and v["best"]["multiple"] == 1
+    v = lr_validation.verdict([run(0.5, 0.6), run(1, math.nan), run(2, None)], tolerance=0.1)
+    assert v["verdict"] == "warn" and v["preferred_lr"] == pytest.approx(0.05)
+    assert v["chosen_rank"] > 1 and "diverged" in v["reason"]
+    with pytest.raises(UserError, match="No LR validation run reached a finite"):
+        lr_validation.verdict([run(1, math.nan), run(2, math.nan)], tolerance=0.1)
+
+
+def write_run(folder, multiple, val_loss, val_acc1, base=0.1):
+    path = folder / f"x{multiple:g}" / "train_summary.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"lr": {"value": base * multiple, "multiple": multiple},
+                                "final": {"val_loss": val_loss, "val_acc1": val_acc1},
+                                "completed": True}))
+    return path
+
+
+def test_aggregate_of_hand_made_runs_with_a_diverged_one(tmp_path):
+    """The JSON and plot from train summaries, a NaN loss among them (as json writes it)."""
+    summary = tmp_path / "local_summary.json"
+    summary.write_text(json.dumps({"training_lr": 0.1, "global_batch": 64}))
+    paths = [write_run(tmp_path, 0.5, 0.52, 0.81), write_run(tmp_path, 1.0, 0.50, 0.83),
+             write_run(tmp_path, 4.0, math.nan, 0.1)]
+    out, png = tmp_path / "v.json", tmp_path / "v.png"
+    result = lr_validation.summarize(paths, summary, [0.5, 4], 0.1, out, png)
+    assert json.loads(out.read_text())["verdict"] == result["verdict"] == "ok"
+    assert result["chosen_rank"] == 1 and result["of"] == 3 and result["runs"][2]["lr"] == 0.4
+    assert result["provenance"]["config_digest"] and str(summary) in result["provenance"]["inputs"]
+    with Image.open(png) as img:
+        assert img.format == "PNG"
+    with pytest.raises(UserError, match="No LR validation run for multiple.s. 2 of"):
+        lr_validation.summarize(paths, summary, [0.5, 2, 4], 0.1, out, png)
+    with pytest.raises(UserError, match="does not exist: run `snakemake"):
+        lr_validation.summarize([tmp_path / "x8/train_summary.json"], summary, [8], 0.1, out,
+                                png)
+
+
+# --- grid, budget, schedule, config slices -----------------------------------------------------
+
+def test_grid_always_holds_the_chosen_lr_and_names_are_stable():
+    assert lr_validation.grid([4, 0.25, 2]) == [0.25, 1.0, 2.0, 4.0]
+    assert [lr_validation.multiple_name(m) for m in (0.25, 1.0, 4)] == ["0.25", "1", "4"]
+
+
+def test_budget_takes_steps_over_epochs_over_fraction():
+    cfg = {"steps": None, "epochs": None, "fraction": 0.1}
+    assert lr_validation.budget(cfg) == {"fraction": 0.1}
+    assert lr_validation.budget({**cfg, "epochs": 2}) == {"epochs": 2}
+    assert lr_validation.budget({**cfg, "epochs": 2, "steps": 30}) == {"steps": 30}
+    assert lr_validation.run_length({"budget": {"fraction": 0.1}}, 90) == (9, None)
+    assert lr_validation.run_length({"budget": {"fraction": 0.1}}, 4) == (1, None)
+    assert lr_validation.run_length({"budget": {"steps": 30}}, 90) == (30, 30)
+    # the compressed schedule warms up for the recipe's share of its run: goyal 5 of 90 epochs
+    assert lr_validation.warmup_fraction(recipes.get("goyal"), 90) == pytest.approx(5 / 90)
+
+
+def test_run_slices_leave_out_what_the_runs_do_not_read():
+    config = settings.load(overrides={"validate_lr": {"multiples": [0.5, 1, 2], "steps": 5}})
+    base = settings.validate_lr_run_params(config, "local", "2")
+    assert base["validation"] == {"budget": {"steps": 5}, "multiple": 2.0}
+    assert base["train"]["lr_source"] == "lr_finder" and base["train"]["seed"] == 0
+    assert base["train"]["save_top_k"] == 1
+    for edit in ({"train": {"lr_source": "validation", "seed": 7, "save_top_k": 2}},
+                 {"validate_lr": {"multiples": [0.5, 1, 2, 4], "tolerance": 0.3, "epochs": 3}}):
+        edited = settings.load(overrides=settings._merge(
+            {"validate_lr": {"multiples": [0.5, 1, 2], "steps": 5}}, edit))
+        assert settings.validate_lr_run_params(edited, "local", "2") == base, edit
+    assert settings.lr_validation_params(config, "local") == {"multiples": [0.5, 1.0, 2.0],
+                                                              "tolerance": 0.1}
+
+
+# --- training at the grid's best ---------------------------------------------------------------
+
+PLAN = Plan(path="memory.json", cluster="local", per_device_batch=32, accumulate_grad_batches=1,
+            devices_per_node=2, nodes=1, num_workers=0, prefetch_factor=None, decoder="pil")
+
+
+def write_validation(path, global_batch=64):
+    runs = [run(0.5, 0.7), run(1, 0.6), run(2, 0.3)]
+    path.write_text(json.dumps({"training_lr": 0.1, "global_batch": global_batch, "runs": runs,
+                                "best": runs[2], "verdict": "warn"}))
+
+
+def test_lr_source_validation_takes_the_grids_best(tmp_path):
+    path = tmp_path / "local_validation.json"
+    write_validation(path)
+    lr = train.resolve_lr("validation", path, recipes.get("demo"), PLAN)
+    assert lr["source"] == "validation" and lr["value"] == pytest.approx(0.2)
+    assert lr["multiple"] == 2 and lr["lr_finder_lr"] == 0.1 and lr["file"] == str(path)
+    write_validation(path, global_batch=128)
+    with pytest.raises(UserError, match="global batch 128 but the memory solve plans 64"):
+        train.resolve_lr("validation", path, recipes.get("demo"), PLAN)
+    with pytest.raises(UserError, match=r"does not exist: run `snakemake .*lr_source"):
+        train.resolve_lr("validation", tmp_path / "missing.json", recipes.get("demo"), PLAN)
+
+
+# --- the stage for real ------------------------------------------------------------------------
+
+# Two multiples of three steps each; one range test of 20 steps; training on the grid's best,
+# one epoch of four batches.
+BASE_YAML = FAST_LOADER_YAML + """\
+lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
+validate_lr: {multiples: [1, 2], steps: 3}
+train: {lr_source: validation, epochs: 1, limit_train_batches: 4, limit_val_batches: 2}
+"""
+TARGET = "results/train/local/best.ckpt"
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory, through_memory):
+    """A clone of the memory solve's workflow in which training on the validated LR ran."""
+    work = tmp_path_factory.mktemp("lr_validation") / "wf"
+    shutil.copytree(through_memory, work, symlinks=True)
+    (work / "base.yaml").write_text(BASE_YAML)
+    res = snakemake(work, TARGET, "--configfile", "base.yaml")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    return work
+
+
+def test_stage_writes_the_grid_verdict_and_plot(validated):
+    v = json.loads((validated / "results/lr/local_validation.json").read_text())
+    summary = json.loads((validated / "results/lr/local_summary.json").read_text())
+    memory = json.loads((validated / "results/memory/local.json").read_text())
+    assert [r["multiple"] for r in v["runs"]] == [1.0, 2.0] and v["budget"] == {"steps": 3}
+    assert [r["lr"] for r in v["runs"]] == pytest.approx([summary["training_lr"],
+                                                          2 * summary["training_lr"]])
+    assert all(math.isfinite(r["val_acc1"]) for r in v["runs"])
+    losses = {r["multiple"]: r["val_loss"] for r in v["runs"]}
+    best = min(losses, key=lambda m: losses[m])
+    assert v["best"]["multiple"] == best and v["chosen_rank"] == (1 if best == 1 else 2)
+    expect_ok = losses[1.0] <= losses[best] * (1 + v["tolerance"])
+    assert v["verdict"] == ("ok" if expect_ok else "warn") and v["reason"].endswith(".")
+    assert set(v["provenance"]["inputs"]) >= {"results/lr/local_summary.json"}
+    for m in ("1", "2"):  # each a real training with the plan's batch and world, 3 steps
+        s = json.loads((validated / f"results/lr/local/validate/x{m}/train_summary.json")
+                       .read_text())
+        assert s["world_size"] == 2 and s["per_device_batch"] == memory["per_device_batch"]
+        assert s["total_steps"] == 3 and s["completed"] and s["validation"]["max_steps"] == 3
+        assert (validated / f"results/lr/local/validate/x{m}/checkpoints/last.ckpt").is_file()
+    png = validated / "results/lr/local_validation.png"
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.size[0] > 400
+
+    t = json.loads((validated / "results/train/local/train_summary.json").read_text())
+    assert t["lr"]["source"] == "validation" and t["lr"]["value"] == v["best"]["lr"]
+    assert "results/lr/local_validation.json" in t["provenance"]["inputs"]
+
+
+HEADER = re.compile(r"^(?:local)?rule (\w+):$")
+
+
+def planned(work, edit: str | None) -> set[str]:
+    """Rules (with the multiple) a dry run of TARGET plans after `edit`."""
+    extra = []
+    if edit:
+        (work / "edit.yaml").write_text(edit + "\n")
+        extra = ["edit.yaml"]
+    res = snakemake(work, TARGET, "--dry-run", "--configfile", "base.yaml", *extra)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    lines, found = (res.stdout + res.stderr).splitlines(), set()
+    for i, line in enumerate(lines):
+        m = HEADER.match(line)
+        if m:
+            wc = next((x for x in lines[i + 1:i + 12] if "wildcards:" in x), "")
+            multiple = re.search(r"multiple=([\d.e-]+)", wc)
+            found.add(m.group(1) + (f"[{multiple.group(1)}]" if multiple else ""))
+    return found
+
+
+AGGREGATE = {"summarize_lr_validation", "train_model"}
+VALIDATION_CASES = {
+    "no-op": (None, set()),
+    "a multiple added: its run only": ("validate_lr: {multiples: [1, 2, 4]}",
+                                       {"validate_lr_run[4]"} | AGGREGATE),
+    "the budget: every run": ("validate_lr: {steps: 2}",
+                              {"validate_lr_run[1]", "validate_lr_run[2]"} | AGGREGATE),
+    "the tolerance: no run": ("validate_lr: {tolerance: 0.5}", AGGREGATE),
+    "train.seed: training only": ("train: {seed: 1}", {"train_model"}),
+}
+
+
+@pytest.mark.parametrize("case", list(VALIDATION_CASES))
+def test_validation_edits_plan_exactly_their_dependents(validated, case):
+    """With `train.lr_source: validation`; without it, tests/test_reproducibility.py shows that
+    a grid edit plans nothing of `all`."""
+    edit, expected = VALIDATION_CASES[case]
+    assert planned(validated, edit) == expected

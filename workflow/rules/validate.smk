@@ -1,0 +1,62 @@
+# The optional LR validation (not part of `all` or `train`): short real trainings at multiples
+# of the LR the summary chose; `snakemake results/lr/{cluster}_validation.json` runs it, and
+# `train.lr_source: validation` makes training depend on it.
+# No conda:/container: on these rules (the lint remark): their software is the imgclf package
+# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+wildcard_constraints:
+    multiple=r"\d+(\.\d+)?(e-?\d+)?",
+
+
+rule validate_lr_run:
+    """One short training at `multiple` x the summary's training LR, through the same entry
+    point as train_model (and so with the same resources: under Slurm a job of the training's
+    shape). Checkpoints stay in results/lr/{cluster}/validate/x{multiple}/checkpoints/, not an
+    output, so a killed run resumes."""
+    input:
+        memory="results/memory/{cluster}.json",
+        lr="results/lr/{cluster}_summary.json",
+        train_index=train_index,
+        val_index=val_index,
+        code=code("train", "recipes", "data", "index", "plan", "plots", "lr_validation"),
+    output:
+        summary="results/lr/{cluster}/validate/x{multiple}/train_summary.json",
+        metrics="results/lr/{cluster}/validate/x{multiple}/metrics.csv",
+    log:
+        "logs/lr/{cluster}/validate_x{multiple}.log",
+    benchmark:
+        "benchmarks/validate_lr/{cluster}_x{multiple}.tsv"
+    threads: lambda wc: hw(wc)["cpus_per_node"]
+    resources:
+        **training_resources(),
+    params:
+        p=lambda wc: json.dumps(
+            settings.validate_lr_run_params(config, wc.cluster, wc.multiple),
+            sort_keys=True,
+        ),
+        imgclf=IMGCLF,
+    shell:
+        "{resources.mpi} {params.imgclf} train --params-json {params.p:q}"
+        " --memory {input.memory} --lr-summary {input.lr}"
+        " --out-dir results/lr/{wildcards.cluster}/validate/x{wildcards.multiple} --log {log}"
+
+
+rule summarize_lr_validation:
+    """Every multiple's final validation loss and top-1, the grid's best, where the chosen LR
+    ranks, and the verdict (ok, or warn with the LR the grid prefers)."""
+    input:
+        runs=lambda wc: lr_validation_runs(wc.cluster),
+        lr="results/lr/{cluster}_summary.json",
+        code=code("lr_validation", "plots"),
+    output:
+        json="results/lr/{cluster}_validation.json",
+        plot=report(
+            "results/lr/{cluster}_validation.png",
+            caption="../report/lr_validation.rst",
+            category="4. Learning rate",
+        ),
+    log:
+        "logs/lr/{cluster}_validation.log",
+    params:
+        p=lambda wc: settings.lr_validation_params(config, wc.cluster),
+    script:
+        "../scripts/summarize_lr_validation.py"

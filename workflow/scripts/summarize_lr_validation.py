@@ -1,0 +1,6 @@
+from imgclf import lr_validation, stage
+
+stage.run(lambda: lr_validation.summarize(
+    snakemake.input.runs, snakemake.input.lr, **snakemake.params.p,
+    out=snakemake.output.json, plot=snakemake.output.plot,
+), snakemake.log[0])
