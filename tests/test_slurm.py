@@ -153,6 +153,8 @@ def test_the_plugin_sees_a_job_cancelled_by_a_user_end():
 
     import snakemake_executor_plugin_slurm as plugin
 
+    if not hasattr(plugin, "query_job_status"):
+        pytest.skip("this version of the plugin keeps the first word of a state itself")
     slurm.job_states_without_who()
     slurm.job_states_without_who()  # once only
     command = "printf '41|CANCELLED by 0\\n42|COMPLETED\\n43|RUNNING\\n'"

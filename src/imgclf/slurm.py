@@ -214,13 +214,15 @@ def run_step(srun: list[str]) -> int:
 def job_states_without_who(plugin=None) -> None:
     """Make the Slurm executor plugin see a cancelled job as cancelled.
 
-    sacct reports a job that a user cancelled as "CANCELLED by <uid>"; the plugin (2.8.0)
-    compares states as whole strings, so it never sees that job end and the workflow waits for
-    it forever. This drops the " by <uid>" before the plugin reads the states. Idempotent."""
+    sacct reports a job that a user cancelled as "CANCELLED by <uid>". Versions of the plugin
+    that read states through `query_job_status` (2.8.0) compare them as whole strings, so they
+    never see that job end and the workflow waits for it forever; older ones (2.1.0, whose
+    `Executor.job_stati` keeps the first word) need nothing. This drops the " by <uid>" before
+    the plugin reads the states. Idempotent."""
     if plugin is None:
         import snakemake_executor_plugin_slurm as plugin
-    query = plugin.query_job_status
-    if getattr(query, "drops_who", False):
+    query = getattr(plugin, "query_job_status", None)
+    if query is None or getattr(query, "drops_who", False):
         return
 
     async def query_without_who(command, logger):
