@@ -115,8 +115,7 @@ def cmd_train(args):
     from imgclf import train
 
     params, name = _stage_params(args, settings.train_params)
-    validated = settings.section(params, "train")["lr_source"] == "validation"
-    default_lr = f"results/lr/{name}_{'validation' if validated else 'summary'}.json"
+    default_lr = settings.lr_file(settings.section(params, "train")["lr_source"], name)
     summary = train.run(params, args.memory or f"results/memory/{name}.json",
                         args.lr_summary or default_lr,
                         args.out_dir or f"results/train/{name}")

@@ -246,6 +246,15 @@ def hydration_params(config: dict, cluster_name: str) -> dict:
     })
 
 
+def lr_file(lr_source: str, cluster: str) -> str | None:
+    """The file training takes its LR from: the LR summary (`lr_finder`), the LR validation
+    (`validation`), or none (`recipe`)."""
+    if lr_source == "recipe":
+        return None
+    kind = "validation" if lr_source == "validation" else "summary"
+    return f"results/lr/{cluster}_{kind}.json"
+
+
 def index_files(cluster_name: str) -> dict:
     """The file index of each split that the hydration check writes (imgclf.index): what every
     later stage builds its data set from."""

@@ -94,12 +94,7 @@ def train_targets(cluster):
 def lr_summary_input(wildcards):
     """Where training takes its LR from: the LR summary, the LR validation
     (`train.lr_source: validation`; passed as --lr-summary) or none (recipe)."""
-    source = config["train"]["lr_source"]
-    if source == "recipe":
-        return []
-    if source == "validation":
-        return f"results/lr/{wildcards.cluster}_validation.json"
-    return f"results/lr/{wildcards.cluster}_summary.json"
+    return settings.lr_file(config["train"]["lr_source"], wildcards.cluster) or []
 
 
 def lr_validation_runs(cluster):
