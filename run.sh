@@ -5,11 +5,25 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# pip install into .venv, tried again after a pause when the network drops a download: pip gives
+# up on a wheel after a few quick resumes, and torch's CUDA wheels are large.
+pip_install() {
+    local attempt
+    for attempt in 1 2 3; do
+        .venv/bin/python -m pip install --quiet "$@" && return 0
+        [ "$attempt" = 3 ] && break
+        echo "run.sh: pip install failed (attempt $attempt of 3); trying again in $((60 * attempt)) s" >&2
+        sleep $((60 * attempt))
+    done
+    echo "run.sh: pip install failed 3 times; check the network and run the same command again" >&2
+    return 1
+}
+
 setup() {
     if [ ! -x .venv/bin/snakemake ] || [ pyproject.toml -nt .venv/.installed ]; then
         python3 -m venv .venv
-        .venv/bin/python -m pip install --quiet --upgrade pip
-        .venv/bin/python -m pip install --quiet -e '.[test]'
+        pip_install --upgrade pip
+        pip_install -e '.[test]'
         touch .venv/.installed
     fi
 }
