@@ -131,7 +131,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 # finished jobs stay in squeue for the status path of clusters without accounting
 MinJobAge=300
-# a node set DOWN by hand stays down until `scontrol update ... state=resume`
+# a node set DOWN by hand stays down until "scontrol update ... state=resume"
 ReturnToService=1
 # a cancelled or failed step's tasks get SIGKILL 10 s after SIGTERM (Slurm's default is 30)
 KillWait=10
