@@ -60,10 +60,11 @@ def test_p4_on_two_nodes_asks_for_one_task_per_gpu():
                         "--cpus-per-task=12 --kill-on-bad-exit=1")
     assert (r["nodes"], r["tasks_per_node"], r["tasks"], r["gres"]) == (2, 8, None, "gpu:8")
     assert r["gpu"] is None and r["tasks_per_gpu"] == 0 and r["cpus_per_task"] == 12
-    assert r["mem_mb_per_cpu"] == int(1152 * 1024 * 0.9) // 96  # 90 % of the node's RAM
+    # 90 % of the node's 1152 GB, in Slurm's MB of 2**20 bytes
+    assert r["mem_mb_per_cpu"] == int(1152e9 / 2**20 * 0.9) // 96 == 10299
     line = sbatch_line(P4X2)
     for flag in ("--nodes=2", "--ntasks-per-node=8", "--cpus-per-task=12", "--gres=gpu:8",
-                 "--mem-per-cpu 11059", "-t 2880", "--deadline=now+4320minutes"):
+                 "--mem-per-cpu 10299", "-t 2880", "--deadline=now+4320minutes"):
         assert flag in line, line
     # --gpus would count GPUs per job, --ntasks-per-gpu conflicts with --ntasks-per-node
     assert "--gpus" not in line and "--ntasks-per-gpu" not in line, line

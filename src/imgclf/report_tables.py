@@ -10,6 +10,7 @@ import html
 import logging
 
 from imgclf.errors import UserError
+from imgclf.hardware import GB
 from imgclf.provenance import atomic_path, read_json
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,6 @@ TITLES = {
     "lr": "LR-finder summary",
     "eval": "Evaluation of the best checkpoint",
 }
-GB = 1e9
 MAX_CLASS_ROWS = 100
 
 

@@ -16,7 +16,7 @@ import shlex
 import subprocess
 import sys
 
-from imgclf.hardware import usable_cpus
+from imgclf.hardware import GB, MIB, usable_cpus
 
 # Share of a node's RAM (the cluster entry's ram_gb) the training job asks for per node: the
 # rest stays for the OS and the node's Slurm daemons (a node's RealMemory is below its RAM).
@@ -53,7 +53,8 @@ def train_layout(cluster: dict) -> dict:
         "world_size": nodes * per_node,
         "gpus_per_node": int(cluster["gpus_per_node"]),
         "cpus_per_task": max(1, int(cluster["cpus_per_node"]) // per_node),
-        "mem_mb_per_node": int(float(cluster["ram_gb"]) * 1024 * TRAIN_MEM_FRACTION),
+        # Slurm's MB are MiB
+        "mem_mb_per_node": int(float(cluster["ram_gb"]) * GB / MIB * TRAIN_MEM_FRACTION),
     }
 
 

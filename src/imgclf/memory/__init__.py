@@ -21,9 +21,9 @@ precision), plus the stated allowances of the `memory:` config for what cannot b
 which it was and why the batch is what it is; the LR finder, training and evaluation read it
 through `imgclf.plan.Plan`.
 
-Sizes are in GB = 1e9 bytes. torch (and the modules that import it) is imported inside
-functions: the Snakefile imports this package to decide whether the rule needs a GPU, and
-parsing the workflow must not pay for importing torch."""
+Sizes are in GB = 1e9 bytes (`imgclf.hardware.GB`). torch (and the modules that import it) is
+imported inside functions: the Snakefile imports this package to decide whether the rule needs a
+GPU, and parsing the workflow must not pay for importing torch."""
 
 from imgclf.memory.estimate import (GB, accumulation, breakdown, count_params, largest_fitting,
                                     model_profile, round_down, saved_tensor_profile)

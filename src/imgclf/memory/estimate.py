@@ -14,7 +14,8 @@ import contextlib
 import functools
 import math
 
-GB = 1e9
+from imgclf.hardware import GB
+
 AUTOCAST = {"32": None, "16-mixed": "float16", "bf16-mixed": "bfloat16"}
 
 

@@ -20,9 +20,10 @@ def matching_gpu(hw: dict) -> dict | None:
     """A GPU visible here that is the cluster's GPU (same model name, at least its memory)."""
     if hw["accelerator"] != "gpu":
         return None
-    want = str(hw.get("gpu_model", "")).lower()
+    want = str(hw.get("gpu_model", ""))
     for gpu in hardware.detect_gpus():
-        if want and want in gpu["name"].lower() and gpu["memory_gb"] >= 0.9 * hw["gpu_memory_gb"]:
+        if (hardware.gpu_matches(want, gpu["name"])
+                and gpu["memory_gb"] >= 0.9 * hw["gpu_memory_gb"]):
             return gpu
     return None
 
@@ -50,26 +51,33 @@ def gpus_to_request(memory: dict, hw: dict, on_slurm: bool) -> int:
 def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
               precision: str, channels_last: bool, steps: int):
     """A probe: real forward + backward + optimizer steps on cuda:0 at batch b, returning the
-    peak allocated and reserved bytes; an out-of-memory error is cleaned up and re-raised."""
+    peak allocated and reserved bytes; an out-of-memory error is cleaned up and re-raised.
+
+    cuDNN autotuning is on, as training has it by default: it tries algorithms with large
+    workspaces, so a probe with it bounds a training without it too. Every probe gets a fresh
+    optimizer and GradScaler: an out-of-memory error inside `scaler.step` leaves the scaler's
+    per-optimizer state (and half-built momentum buffers) behind, which the next probe would
+    otherwise inherit."""
     import torch
 
     from imgclf import recipes
 
+    torch.backends.cudnn.benchmark = True
     device = torch.device("cuda", 0)
     model = recipes.build_model(arch, num_classes, recipe.drop_path).to(device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=fmt)
     loss_fn = recipes.build_loss(recipe)
-    optimizer = recipes.build_optimizer(model, recipe, lr=recipe.lr)
-    scaler = torch.amp.GradScaler("cuda", enabled=precision == "16-mixed")
 
     def step(batch: int) -> dict:
+        model.zero_grad(set_to_none=True)
         # blocks cached by an earlier (failed) probe would count as this probe's reservation
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        x = y = loss = None
+        optimizer = recipes.build_optimizer(model, recipe, lr=recipe.lr)
+        scaler = torch.amp.GradScaler("cuda", enabled=precision == "16-mixed")
         try:
             for _ in range(steps):
                 x = torch.randn(batch, 3, resolution, resolution, device=device)
@@ -81,30 +89,36 @@ def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
-                x = y = loss = None
+                del x, y, loss
             torch.cuda.synchronize()
             return {"allocated": torch.cuda.max_memory_allocated(),
                     "reserved": torch.cuda.max_memory_reserved()}
-        except torch.OutOfMemoryError:
-            x = y = loss = None  # the caller drops the exception; the next probe frees the cache
-            optimizer.zero_grad(set_to_none=True)
-            raise
+        finally:
+            # the optimizer, scaler and any tensors of a failed step die with this frame; the
+            # next probe's gc.collect and empty_cache return their blocks
+            del optimizer, scaler
 
     return step
 
 
 def cuda_device() -> dict:
-    """cuda:0 as the measured mode sees it: free and total bytes before the model exists, its
-    name, and the factory of probe steps."""
+    """cuda:0 as the measured mode sees it: its name and total bytes, the factory of probe
+    steps, and what lies outside torch's allocator (CUDA context, cuDNN and cuBLAS handles,
+    lazily loaded kernels; other processes on the GPU), which is only all there after a step
+    has run."""
     import torch
 
     if not torch.cuda.is_available():
         raise UserError("`memory.mode: measure` needs a GPU but torch sees no CUDA device here: "
                         "set `memory.mode: estimate` or run solve_memory on a GPU node.")
     torch.cuda.init()
-    free, total = torch.cuda.mem_get_info(0)
-    return {"name": torch.cuda.get_device_name(0), "free": free, "total": total,
-            "step_factory": cuda_step}
+
+    def outside_allocator() -> int:
+        free, total = torch.cuda.mem_get_info(0)
+        return total - free - torch.cuda.memory_reserved(0)
+
+    return {"name": torch.cuda.get_device_name(0), "total": torch.cuda.mem_get_info(0)[1],
+            "outside_allocator": outside_allocator, "step_factory": cuda_step}
 
 
 # --- probing, fitting, verifying --------------------------------------------------------------
@@ -218,14 +232,23 @@ def measure_here(memory, model, hw, recipe, num_classes, estimate_batch, max_bat
     """Measured mode on `device` (see `cuda_device`); probes at 1/4, 1/2 and 3/4 of the
     estimated batch unless `memory.probe_batches` names them. The budget is the safety margin
     of the GPU's memory less what lies outside torch's allocator and, when training runs on
-    several devices, DDP's gradient buckets (the probes run on one GPU, without DDP)."""
-    free, total = device["free"], device["total"]
+    several devices, DDP's gradient buckets (the probes run on one GPU, without DDP). What lies
+    outside the allocator is read after a warm-up step at batch 1, once the handles and kernels
+    a step loads exist, and again after the last step: the larger is reported."""
+    import torch
+
+    total = device["total"]
     step = device["step_factory"](model["arch"], num_classes, recipe,
                                   recipe.train_size(model["resolution"]),
                                   model["precision"], model["channels_last"],
                                   memory["probe_steps"])
+    try:
+        step(1)
+    except torch.OutOfMemoryError:
+        raise UserError(f"Not even a batch of 1 fits: {what} ran out of GPU memory in its "
+                        f"warm-up step (memory.safety_margin).") from None
     capacity = min(total, hw["gpu_memory_gb"] * GB)
-    outside = total - free  # CUDA context and anything else not in torch's allocator
+    outside = device["outside_allocator"]()
     world = hw["devices_per_node"] * hw["nodes"]
     ddp = recipes_param_bytes(model["arch"], num_classes) if world > 1 else 0
     budget = memory["safety_margin"] * capacity - outside - ddp
@@ -236,7 +259,12 @@ def measure_here(memory, model, hw, recipe, num_classes, estimate_batch, max_bat
         probes = list(memory["probe_batches"])
     result = measure(step, budget, probes, round_to=memory["round_to"], max_batch=max_batch,
                      max_backoffs=memory["max_backoffs"], what=what)
+    outside_after = device["outside_allocator"]()
+    if outside_after > outside:
+        result["events"].append(
+            f"memory outside torch's allocator grew from {outside / GB:.2f} GB to "
+            f"{outside_after / GB:.2f} GB during the probes")
     result.update(device=device["name"], device_total_bytes=total,
-                  outside_allocator_bytes=outside, ddp_bucket_bytes=ddp,
+                  outside_allocator_bytes=max(outside, outside_after), ddp_bucket_bytes=ddp,
                   allocator_budget_bytes=budget)
     return result

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from imgclf import provenance, slurm
+from imgclf.hardware import GB
 from imgclf.progress import PLAIN_EVERY_S
 from imgclf.train.resume import supersede
 
@@ -161,7 +162,7 @@ class RunRecorder(Callback):
 
     def on_train_end(self, trainer, pl_module):
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
-            peak = torch.tensor(torch.cuda.max_memory_allocated(pl_module.device) / 2**30,
+            peak = torch.tensor(torch.cuda.max_memory_allocated(pl_module.device) / GB,
                                 device=pl_module.device)
             self.peak_gpu_gb = round(float(trainer.strategy.reduce(peak, reduce_op="max")), 3)
 
