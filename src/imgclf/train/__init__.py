@@ -355,10 +355,7 @@ def run_shape(job: Job, trainer) -> dict:
 
 def schedule(job: Job, total_steps: int) -> dict:
     per_epoch = total_steps / job.epochs
-    if job.warmup_fraction is None:
-        warm = warmup_steps(job.recipe.warmup_epochs, per_epoch, total_steps)
-    else:  # an LR validation run: the recipe's warm-up share of its budget
-        warm = warmup_steps(job.warmup_fraction, total_steps, total_steps)
+    warm = warmup_steps(job.recipe.warmup_epochs, per_epoch, total_steps, job.warmup_fraction)
     return {
         "steps_per_epoch": max(1, total_steps // job.epochs),
         "total_steps": total_steps,

@@ -18,11 +18,14 @@ from imgclf.errors import UserError
 
 # --- LR schedule ---------------------------------------------------------------------------------
 
-def warmup_steps(warmup_epochs: float, steps_per_epoch: float, total_steps: int) -> int:
-    """Optimizer steps of linear warm-up: the recipe's warm-up epochs, but never more than half
-    of the run, so a short run (2 epochs of a recipe with 5 warm-up epochs) still warms up
+def warmup_steps(warmup_epochs: float, steps_per_epoch: float, total_steps: int,
+                 fraction: float | None = None) -> int:
+    """Optimizer steps of linear warm-up: the recipe's warm-up epochs, or with `fraction` (an
+    LR validation run, its schedule compressed) that share of the run's steps; never more than
+    half of the run, so a short run (2 epochs of a recipe with 5 warm-up epochs) still warms up
     before it decays instead of losing its warm-up, or its decay, altogether."""
-    return int(min(round(warmup_epochs * steps_per_epoch), total_steps // 2))
+    wanted = fraction * total_steps if fraction is not None else warmup_epochs * steps_per_epoch
+    return int(min(round(wanted), total_steps // 2))
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, start_factor: float) -> float:
@@ -116,9 +119,8 @@ class ImageClassifier(L.LightningModule):
         opt = recipes.build_optimizer(self.model, self.recipe, self.hparams.lr)
         total = int(self.trainer.estimated_stepping_batches)
         per_epoch = total / max(1, self.trainer.max_epochs)
-        warm = warmup_steps(self.hparams.warmup_epochs, per_epoch, total)
-        if self.hparams.get("warmup_fraction") is not None:  # an LR validation run's budget
-            warm = warmup_steps(self.hparams.warmup_fraction, total, total)
+        warm = warmup_steps(self.hparams.warmup_epochs, per_epoch, total,
+                            self.hparams.get("warmup_fraction"))
         sched = lr_schedule(opt, total_steps=total, warmup_steps=warm,
                             start_factor=self.recipe.warmup_start_factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
