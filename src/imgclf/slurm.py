@@ -92,9 +92,7 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
     lay = train_layout(cluster)
     gpus, world = lay["gpus_per_node"], lay["world_size"]
     if not slurm:
-        return {"gpu": gpus, "mpi": "", "nodes": None, "tasks": None, "tasks_per_node": None,
-                "tasks_per_gpu": None, "gres": None, "cpus_per_task": None,
-                "mem_mb_per_cpu": None}
+        return {**dict.fromkeys(TRAIN_RESOURCE_KEYS), "gpu": gpus, "mpi": ""}
     per_node = lay["tasks_per_node"]
     return {
         # GPUs per node as GRES: the `gpu` resource becomes --gpus, a count for the whole job
