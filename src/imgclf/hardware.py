@@ -49,15 +49,20 @@ MIG_LINE = re.compile(r"^\s+MIG\s+(?P<profile>\S+)\s+Device\s+\d+:\s+"
 MIG_MEMORY = re.compile(r"\.(?P<gb>\d+(?:\.\d+)?)gb$")
 
 
-def _all_gpus() -> tuple[list[dict], dict[str, dict]]:
-    """Every GPU of this machine (by index) and every MIG instance (by UUID), from nvidia-smi.
-    A MIG instance's memory is its profile's ("3g.20gb": 20 GB, which is at most its real
-    size), its name the parent's with the profile."""
+def _gpus() -> list[dict]:
+    """Every GPU of this machine, by index, from nvidia-smi."""
     gpus = []
     for line in _nvidia_smi("--query-gpu=index,uuid,name,memory.total",
                             "--format=csv,noheader,nounits").strip().splitlines():
         index, uuid, name, mem = (p.strip() for p in line.split(","))
         gpus.append({"name": name, "memory_gb": gb(float(mem) * MIB), "uuid": uuid})
+    return gpus
+
+
+def _migs() -> dict[str, dict]:
+    """Every MIG instance of this machine, by UUID, from `nvidia-smi -L`: its memory is its
+    profile's ("3g.20gb": 20 GB, which is at most its real size), its name the parent's with
+    the profile."""
     migs, parent = {}, None
     for line in _nvidia_smi("-L").splitlines():
         if line.startswith("GPU "):
@@ -65,7 +70,7 @@ def _all_gpus() -> tuple[list[dict], dict[str, dict]]:
         elif (m := MIG_LINE.match(line)) and (size := MIG_MEMORY.search(m["profile"])):
             migs[m["uuid"]] = {"name": f"{parent} MIG {m['profile']}",
                                "memory_gb": float(size["gb"]), "uuid": m["uuid"]}
-    return gpus, migs
+    return migs
 
 
 def visible_gpus(gpus: list[dict], migs: dict[str, dict], visible: str | None) -> list[dict]:
@@ -95,8 +100,10 @@ def detect_gpus() -> list[dict]:
     import): name and memory in GB."""
     if shutil.which("nvidia-smi") is None:
         return []
-    gpus, migs = _all_gpus()
-    shown = visible_gpus(gpus, migs, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # every artifact's provenance detects the GPUs: ask for MIG instances only when named
+    migs = _migs() if visible and "MIG-" in visible else {}
+    shown = visible_gpus(_gpus(), migs, visible)
     return [{"name": g["name"], "memory_gb": g["memory_gb"]} for g in shown]
 
 
