@@ -23,6 +23,12 @@ setup() {
     if [ ! -x .venv/bin/snakemake ] || [ pyproject.toml -nt .venv/.installed ]; then
         python3 -m venv .venv
         pip_install --upgrade pip
+        # PyTorch's own wheel index when this node's GPUs or NVIDIA driver need another CUDA
+        # build than the default one (src/imgclf/cuda_builds.py; IMGCLF_TORCH_INDEX overrides)
+        index=$(PYTHONPATH=src python3 -m imgclf.cuda_builds)
+        if [ -n "$index" ]; then
+            pip_install --index-url "$index" torch torchvision
+        fi
         pip_install -e '.[test]'
         touch .venv/.installed
     fi

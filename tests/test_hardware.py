@@ -95,3 +95,152 @@ def test_slurm_memory_request_converts_gb_to_slurms_mib():
                                  "cpus_per_node": 96, "ram_gb": 100})
     # 90 % of 100 GB = 90e9 bytes = 85830 MiB (Slurm's MB), not 92160
     assert layout["mem_mb_per_node"] == 85830
+
+
+# --- the torch build against the node's GPUs and driver -----------------------------------
+
+V100 = {"name": "Tesla V100-SXM2-16GB", "mib": 16384, "uuid": "GPU-3333cccc-0000-0000-0000-0",
+        "compute_cap": "7.0"}
+A10G = {**GPUS[0], "compute_cap": "8.6"}
+
+
+def run_sh_choice(nvidia_smi, gpus, driver, env=None):
+    """What run.sh asks for before installing torch: the index URL (stdout), why (stderr)."""
+    import subprocess
+    import sys
+
+    nvidia_smi.write_text(json.dumps([{**g, "driver": driver} for g in gpus]))
+    res = subprocess.run([sys.executable, "-m", "imgclf.cuda_builds"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src"),
+                                         **(env or {})})
+    return res.returncode, res.stdout.strip(), res.stderr.strip()
+
+
+def test_run_sh_installs_a_build_that_fits_the_nodes_gpus_and_driver(nvidia_smi):
+    cu126 = "https://download.pytorch.org/whl/cu126"
+    # an A10G on a current driver: the default build (CUDA 13, sm_75 and newer)
+    assert run_sh_choice(nvidia_smi, [A10G], "580.65.06")[:2] == (0, "")
+    # a V100 (sm_70): the CUDA 12.6 build, the last to ship its kernels
+    rc, url, why = run_sh_choice(nvidia_smi, [A10G, V100], "580.65.06")
+    assert (rc, url) == (0, cu126) and "sm_70" in why
+    # a driver older than CUDA 13's 580: the CUDA 12.6 build, which runs from 525
+    rc, url, why = run_sh_choice(nvidia_smi, [A10G], "535.104.05")
+    assert (rc, url) == (0, cu126) and "535.104.05" in why
+    # a driver too old to report compute_cap: the capability is read from the model's name
+    rc, url, _ = run_sh_choice(nvidia_smi, [{k: v for k, v in V100.items()
+                                            if k != "compute_cap"}], "580.65.06")
+    assert (rc, url) == (0, cu126)
+    # no build fits: one sentence, and run.sh stops (set -e)
+    rc, url, why = run_sh_choice(nvidia_smi, [A10G], "470.82.01")
+    assert rc == 1 and url == "" and why.count(". ") == 0 and "525 or newer" in why
+    # the user's choice wins
+    rc, url, _ = run_sh_choice(nvidia_smi, [V100], "580.65.06", {"IMGCLF_TORCH_INDEX": "cu128"})
+    assert (rc, url) == (0, "https://download.pytorch.org/whl/cu128")
+    rc, url, _ = run_sh_choice(nvidia_smi, [V100], "580.65.06",
+                               {"IMGCLF_TORCH_INDEX": "default"})
+    assert (rc, url) == (0, "")
+
+
+def test_run_sh_takes_its_choice_from_cuda_builds():
+    text = (REPO / "run.sh").read_text()
+    assert "index=$(PYTHONPATH=src python3 -m imgclf.cuda_builds)" in text
+    assert 'pip_install --index-url "$index" torch torchvision' in text
+    assert text.index("imgclf.cuda_builds") < text.index("pip_install -e '.[test]'")
+
+
+@pytest.fixture
+def cuda_device(monkeypatch):
+    """A CUDA device as torch would report it (the capability faked at torch's boundary)."""
+    import torch
+
+    def fake(name, cap, archs=("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"),
+             cuda="13.2"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: cap)
+        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(archs))
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+    return fake
+
+
+def entry(name):
+    return settings.cluster(settings.load(), name)
+
+
+def one_sentence(text: str) -> bool:
+    return text.endswith(".") and text.count(". ") == 0 and "\n" not in text
+
+
+def test_a_gpu_the_build_has_no_kernels_for_is_refused_in_one_sentence(cuda_device):
+    cuda_device("Tesla V100-SXM2-16GB", (7, 0))
+    with pytest.raises(hardware.UserError) as err:
+        hardware.cuda_ready(entry("p3"))
+    msg = str(err.value)
+    assert one_sentence(msg)
+    for part in ("cluster 'p3'", "Tesla V100-SXM2-16GB", "sm_70", "CUDA 13.2",
+                 "IMGCLF_TORCH_INDEX=cu126 ./run.sh"):
+        assert part in msg
+    # the same GPU under the CUDA 12.6 build, and an A10G (sm_86 runs sm_80 and sm_86 code)
+    cuda_device("Tesla V100-SXM2-16GB", (7, 0), archs=("sm_50", "sm_60", "sm_70", "sm_75",
+                                                       "sm_80", "sm_86", "sm_90"), cuda="12.6")
+    assert hardware.cuda_ready(entry("p3")) is True
+    cuda_device("NVIDIA A10G", (8, 6), archs=("sm_80",))
+    assert hardware.cuda_ready(entry("g5")) is True
+
+
+def test_a_driver_too_old_for_the_build_is_named_not_called_no_gpu(nvidia_smi, monkeypatch):
+    import torch
+
+    nvidia_smi.write_text(json.dumps([{**A10G, "driver": "535.104.05"}]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.2")
+    with pytest.raises(hardware.UserError) as err:
+        hardware.cuda_ready(entry("g5"))
+    msg = str(err.value)
+    assert one_sentence(msg) and "535.104.05" in msg and "580" in msg and "cu126" in msg
+    # a current driver and still no CUDA device (none here): not this check's business
+    nvidia_smi.write_text(json.dumps([A10G]))
+    assert hardware.cuda_ready(entry("g5")) is False
+
+
+def test_bf16_is_refused_where_it_is_only_emulated(monkeypatch):
+    import torch
+
+    p3, g5 = entry("p3"), entry("g5")
+    with pytest.raises(hardware.UserError) as err:  # before any device: the entry's model
+        hardware.check_precision(p3, "bf16-mixed")
+    assert one_sentence(str(err.value)) and "16-mixed" in str(err.value) and "V100" in str(err.value)
+    hardware.check_precision(p3, "16-mixed")
+    hardware.check_precision(g5, "bf16-mixed")
+    with pytest.raises(hardware.UserError):  # the device's own capability decides
+        hardware.check_precision(g5, "bf16-mixed", device_sm=75)
+    hardware.check_precision({**g5, "gpu_model": "unknown"}, "bf16-mixed")  # nothing known
+    mps = {"name": "local", "accelerator": "mps", "gpu_model": "Apple M2 (MPS)"}
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: False)
+    with pytest.raises(hardware.UserError, match="macOS 14"):
+        hardware.check_precision(mps, "bf16-mixed")
+
+
+def test_local_uses_apple_mps_on_a_mac_and_nowhere_else(monkeypatch, tmp_path):
+    import platform
+
+    import torch
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi, as on a Mac
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 22_906_503_168)
+    clusters = settings.load()["clusters"]
+    local = hardware.resolve_cluster("local", clusters)
+    assert (local["accelerator"], local["devices_per_node"], local["nodes"],
+            local["gpus_per_node"], local["gpu_memory_gb"]) == ("mps", 1, 1, 0, 22.9)
+    assert local["gpu_model"].endswith("(MPS)")
+    # an entry that names its hardware never moves to MPS
+    assert hardware.resolve_cluster("g5", clusters)["accelerator"] == "gpu"
+    cpu_only = {"local": {**clusters["local"], "gpus_per_node": 0}}
+    assert hardware.resolve_cluster("local", cpu_only)["accelerator"] == "cpu"
+    # not a Mac: never MPS, whatever torch says
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    assert hardware.resolve_cluster("local", clusters)["accelerator"] == "cpu"

@@ -11,6 +11,8 @@ import subprocess
 
 import psutil
 
+from imgclf import cuda_builds
+from imgclf.cuda_builds import gpu_matches  # noqa: F401 - the entry's model against a GPU name
 from imgclf.errors import UserError
 
 
@@ -25,13 +27,6 @@ MIB = 2**20
 def gb(n_bytes: float) -> float:
     """Bytes as GB, rounded down to 0.01: a detected size never exceeds the real one."""
     return math.floor(n_bytes / GB * 100) / 100
-
-
-def gpu_matches(model: str, name: str) -> bool:
-    """True when the hardware entry's `gpu_model` names the GPU `name` as a whole word: `A100`
-    matches "NVIDIA A100-SXM4-40GB", but `L4` does not match "NVIDIA L40S"."""
-    pattern = r"(?<![a-z0-9])" + re.escape(model.strip().lower()) + r"(?![a-z0-9])"
-    return bool(model.strip()) and re.search(pattern, name.lower()) is not None
 
 
 def _nvidia_smi(*args: str) -> str:
@@ -95,16 +90,90 @@ def visible_gpus(gpus: list[dict], migs: dict[str, dict], visible: str | None) -
     return shown
 
 
-def detect_gpus() -> list[dict]:
-    """GPUs visible to this process, from nvidia-smi (cheap: no CUDA context, no torch
-    import): name and memory in GB."""
+def visible_devices() -> list[dict]:
+    """GPUs visible to this process, in CUDA's order, from nvidia-smi (cheap: no CUDA context,
+    no torch import): name, memory in GB and UUID (a GPU's or a MIG instance's)."""
     if shutil.which("nvidia-smi") is None:
         return []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     # every artifact's provenance detects the GPUs: ask for MIG instances only when named
     migs = _migs() if visible and "MIG-" in visible else {}
-    shown = visible_gpus(_gpus(), migs, visible)
-    return [{"name": g["name"], "memory_gb": g["memory_gb"]} for g in shown]
+    return visible_gpus(_gpus(), migs, visible)
+
+
+def detect_gpus() -> list[dict]:
+    """GPUs visible to this process: name and memory in GB."""
+    return [{"name": g["name"], "memory_gb": g["memory_gb"]} for g in visible_devices()]
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver's version ("580.65.06"), None without nvidia-smi."""
+    lines = _nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader").split()
+    return lines[0] if lines else None
+
+
+def build_sms() -> list[int]:
+    """The compute capabilities the installed torch has kernels for (sm_86 -> 86; PTX entries
+    compute_XY the same way)."""
+    import torch
+
+    return [int(a.split("_", 1)[1].rstrip("af")) for a in torch.cuda.get_arch_list()]
+
+
+def cuda_ready(entry: dict) -> bool:
+    """Whether torch can use this node's GPUs, checked before a stage's first CUDA call: a GPU
+    the installed build has no kernels for (a V100 under the CUDA 13 build) or a driver too old
+    for its CUDA is a UserError naming the entry, the GPU or driver, and the fix; torch itself
+    only warns, or reports no GPU at all. False when torch sees no CUDA device for another
+    reason (none here)."""
+    import torch
+
+    where = f"This node of cluster {entry['name']!r}"
+    if not torch.cuda.is_available():
+        driver = nvidia_driver() if torch.version.cuda else None
+        problem = driver and cuda_builds.driver_problem(where, driver, torch.version.cuda)
+        if problem:
+            raise UserError(problem)
+        return False
+    devices = [(torch.cuda.get_device_name(i), capability(i))
+               for i in range(torch.cuda.device_count())]
+    problem = cuda_builds.device_problem(where, devices, build_sms(), torch.version.cuda)
+    if problem:
+        raise UserError(problem)
+    return True
+
+
+def capability(index: int = 0) -> int:
+    """Compute capability of CUDA device `index` as major * 10 + minor."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def check_precision(entry: dict, precision: str, device_sm: int | None = None) -> None:
+    """Refuse `bf16-mixed` where bfloat16 is only emulated: on a CUDA GPU before compute
+    capability 8.0 (V100: torch's autocast accepts it, as `is_bf16_supported()` counts
+    emulation, and it runs slowly or fails in cuDNN), decided from the device when one is
+    given, else from the entry's `gpu_model`; on Apple's MPS before macOS 14."""
+    if precision != "bf16-mixed":
+        return
+    if entry["accelerator"] == "mps":
+        import torch
+
+        if not torch.backends.mps.is_macos_or_newer(14, 0):
+            raise UserError(f"`model.precision: bf16-mixed` needs macOS 14 or newer on Apple's "
+                            f"MPS (cluster {entry['name']!r}): use `model.precision: 16-mixed`.")
+        return
+    if entry["accelerator"] != "gpu":
+        return
+    sm = device_sm if device_sm is not None else cuda_builds.model_capability(
+        str(entry.get("gpu_model", "")))
+    if sm is not None and sm < cuda_builds.NATIVE_BF16_SM:
+        raise UserError(f"`model.precision: bf16-mixed` needs native bfloat16 (compute "
+                        f"capability 8.0 or newer) but cluster {entry['name']!r} has "
+                        f"{entry.get('gpu_model')} GPUs ({cuda_builds.sm_name(sm)}), which only "
+                        f"emulate it: use `model.precision: 16-mixed`.")
 
 
 def cpu_model() -> str:
@@ -136,23 +205,42 @@ def machine() -> dict:
     }
 
 
+def mps_device() -> dict | None:
+    """Apple silicon's GPU through MPS, for the `local` entry of a Mac: its name and the memory
+    Metal recommends a process keep to (`recommendedMaxWorkingSetSize`, a share of the unified
+    memory), in GB. torch is imported only on an Apple-silicon Mac."""
+    if platform.system() != "Darwin" or platform.machine() != "arm64":
+        return None
+    import torch
+
+    if not torch.backends.mps.is_available():
+        return None
+    return {"name": f"{cpu_model()} (MPS)", "memory_gb": gb(torch.mps.recommended_max_memory())}
+
+
 def resolve_cluster(name: str, clusters: dict) -> dict:
     """The hardware entry `name` with every `auto` replaced by what this machine has.
 
-    A cluster with no GPU trains with `cpu_processes` CPU ranks (2 by default)."""
+    `accelerator` is `gpu` with CUDA GPUs; `mps` for an entry whose `gpus_per_node` is `auto`
+    on an Apple-silicon Mac without them (one device, no DDP: never chosen for an entry that
+    names its GPUs); else `cpu`, which trains with `cpu_processes` CPU ranks (2 by default)."""
     if name not in clusters:
         raise UserError(
             f"Unknown cluster {name!r}: choose one of {', '.join(sorted(clusters))} "
             f"or add an entry under `clusters:` in your config."
         )
     entry = dict(clusters[name])
+    mps = None
     if "auto" in entry.values():
         here = machine()
         gpus = here["gpus"]
+        mps = mps_device() if not gpus and entry["gpus_per_node"] == "auto" else None
+        device = gpus[0] if gpus else mps
         auto = {
             "gpus_per_node": len(gpus),
-            "gpu_model": gpus[0]["name"] if gpus else "none",
-            "gpu_memory_gb": min(g["memory_gb"] for g in gpus) if gpus else 0,
+            "gpu_model": device["name"] if device else "none",
+            "gpu_memory_gb": (min(g["memory_gb"] for g in gpus) if gpus
+                              else mps["memory_gb"] if mps else 0),
             "cpus_per_node": here["cpus"],
             "ram_gb": here["ram_gb"],
         }
@@ -160,6 +248,9 @@ def resolve_cluster(name: str, clusters: dict) -> dict:
     entry.setdefault("gpu_model", "unknown")
     entry.setdefault("cpu_processes", 2)
     entry["name"] = name
-    entry["accelerator"] = "gpu" if entry["gpus_per_node"] > 0 else "cpu"
-    entry["devices_per_node"] = entry["gpus_per_node"] or entry["cpu_processes"]
+    entry["accelerator"] = "gpu" if entry["gpus_per_node"] > 0 else "mps" if mps else "cpu"
+    entry["devices_per_node"] = (entry["gpus_per_node"] or (1 if mps else 0)
+                                 or entry["cpu_processes"])
+    if mps:
+        entry["nodes"] = 1
     return entry
