@@ -178,27 +178,39 @@ def test_torchvision_v2_reference_lr_at_global_batch():
     assert s["reference_lr"] == pytest.approx(0.5 * 512 / 1024)
 
 
+CPU_ENTRY = {"name": "local", "accelerator": "cpu", "gpu_model": "none"}
+
+
 def test_range_test_sees_the_recipes_mixed_batches(demo_root):
     """torchvision_v2 trains on MixUp/CutMix targets: the range test's batches are mixed too
-    (soft targets reach the loss), and the run says so."""
+    (soft targets reach the loss), on the device after the copy, and the run says so."""
     from imgclf import data, recipes
 
     recipe = recipes.get("torchvision_v2")
     ds = data.train_dataset(str(demo_root), "tensor", 16, recipe)
     loader = data.loader(ds, 8, 0, None, shuffle=True, seed=0, drop_last=True)
-    inputs, labels = next(lr_find._batches(loader, data.batch_mixer(recipe, len(ds.classes))))
+    cpu = torch.device("cpu")
+    inputs, labels = next(lr_find._batches(loader, data.batch_mixer(recipe, len(ds.classes)), cpu))
     assert labels.shape == (8, len(ds.classes)) and labels.dtype.is_floating_point
     assert torch.allclose(labels.sum(1), torch.ones(8))
     cfg = {**settings.section({}, "lr_finder"), "num_iter": 4}
     model = {"arch": "resnet18", "recipe": "torchvision_v2", "resolution": 16,
              "precision": "32", "channels_last": False}
-    run = lr_find.find(str(demo_root), model, Plan(
+    run = lr_find.find(str(demo_root), model, CPU_ENTRY, Plan(
         path="m.json", cluster="local", per_device_batch=8, accumulate_grad_batches=1,
         devices_per_node=1, nodes=1, num_workers=0, prefetch_factor=None, decoder="tensor"),
         cfg, 0, threads=1)
     assert run["iterations"] == 4 and "MixUp alpha 0.2 or CutMix alpha 1.0" in run["batch_mixing"]
-    plain = lr_find._batches(loader, None)
+    assert run["device"] == "cpu" and run["gpu"] is None
+    plain = lr_find._batches(loader, None, cpu)
     assert next(plain)[1].dtype == torch.int64
+    # the mixer works on the batch where the model is, after the copy (meta: a device that
+    # is not the CPU the loader made the batch on)
+    seen = []
+    mixing = lr_find._batches(loader, lambda x, y: seen.append((x.device, y.device)) or (x, y),
+                              torch.device("meta"))
+    x, y = next(mixing)
+    assert seen == [(torch.device("meta"), torch.device("meta"))] and x.device.type == "meta"
 
 
 FAST = """

@@ -157,7 +157,7 @@ def cmd_lr_find(args):
     runs = args.runs or config["lr_finder"]["runs"]
     for run in range(runs):
         out = f"{args.out_dir or f'results/lr/{name}'}/run{run}.json"
-        result = lr_find.run_find(**p, memory_path=memory, run=run, out=out, cluster=name,
+        result = lr_find.run_find(**p, memory_path=memory, run=run, out=out,
                                   batch_size=args.batch_size)
         print(f"{out}: {result['iterations']} iterations, diverged: {result['diverged']}, "
               f"{result['wall_time_s']} s")

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from imgclf import data, plots, recipes
+from imgclf import data, devices, hardware, plots, recipes
 from imgclf.plan import Plan
 from imgclf.errors import UserError
 from imgclf.provenance import read_json, write_artifact
@@ -88,11 +88,18 @@ def suggest_valley(lrs, losses, skip_start=10, skip_end=5):
 
 # --- one run ----------------------------------------------------------------------------------
 
-def _device(run: int):
+def _device(hw: dict, run: int):
+    """The device of one run: a GPU of a GPU entry's node that this run claims for itself (runs
+    side by side never share one), Apple's MPS for a `local` entry on a Mac, else the CPU (a
+    GPU entry's plan on a machine without its GPUs)."""
     import torch
 
-    if torch.cuda.is_available():  # spread runs over the GPUs of a node
-        return torch.device("cuda", run % torch.cuda.device_count())
+    if hw["accelerator"] == "mps":
+        return torch.device("mps")
+    if hw["accelerator"] == "gpu":
+        devices.claim_gpus(1, f"LR-finder run {run}")
+        if hardware.cuda_ready(hw):
+            return torch.device("cuda", 0)
     return torch.device("cpu")
 
 
@@ -108,14 +115,17 @@ def _amp(precision: str, device) -> dict:
             "grad_scaler": torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)}
 
 
-def _batches(loader, mixer):
-    """The loader's batches as training sees them: through the recipe's MixUp/CutMix, if any
-    (torch-lr-finder's own hook for changing batches, `TrainDataLoaderIter`)."""
+def _batches(loader, mixer, device):
+    """The loader's batches as training sees them: copied to the device, then through the
+    recipe's MixUp/CutMix, if any, there (torch-lr-finder's own hook for changing batches,
+    `TrainDataLoaderIter`; its own copy to the device then finds them in place). Mixing after
+    the copy keeps it off the CPU's main thread, as in training."""
     from torch_lr_finder import TrainDataLoaderIter
 
     class MixedBatches(TrainDataLoaderIter):
         def inputs_labels_from_batch(self, batch):
-            inputs, labels = batch[0], batch[1]
+            inputs = batch[0].to(device, non_blocking=True)
+            labels = batch[1].to(device, non_blocking=True)
             return mixer(inputs, labels) if mixer is not None else (inputs, labels)
 
     return MixedBatches(loader)
@@ -138,10 +148,10 @@ def _finder(net, optimizer, criterion, device, amp: dict):
     return finder
 
 
-def find(source: str, model: dict, plan: Plan, cfg: dict, run: int,
+def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
          batch_size: int | None = None, threads: int | None = None) -> dict:
-    """One LR range test with the recipe's model, loss, optimizer and batch mixing; returns the
-    loss curve and where it diverged."""
+    """One LR range test with the recipe's model, loss, optimizer and batch mixing on one device
+    of hardware entry `hw`; returns the loss curve and where it diverged."""
     import torch
 
     if threads:
@@ -150,7 +160,9 @@ def find(source: str, model: dict, plan: Plan, cfg: dict, run: int,
     torch.manual_seed(seed)
     recipe = recipes.get(model["recipe"])
     batch = batch_size or plan.per_device_batch
-    device = _device(run)
+    device = _device(hw, run)
+    hardware.check_precision(hw, model["precision"],
+                             hardware.capability() if device.type == "cuda" else None)
     amp = _amp(model["precision"], device)
     train_set = data.train_dataset(source, plan.decoder, model["resolution"], recipe)
     net = recipes.build_model(model["arch"], len(train_set.classes), recipe.drop_path)
@@ -164,7 +176,7 @@ def find(source: str, model: dict, plan: Plan, cfg: dict, run: int,
                      recipes.build_loss(recipe), device, amp)
     accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1
     start = time.perf_counter()
-    finder.range_test(_batches(loader, mixer), start_lr=cfg["start_lr"], end_lr=cfg["end_lr"],
+    finder.range_test(_batches(loader, mixer, device), start_lr=cfg["start_lr"], end_lr=cfg["end_lr"],
                       num_iter=cfg["num_iter"], step_mode="exp", smooth_f=cfg["smooth_f"],
                       diverge_th=cfg["diverge_th"], accumulation_steps=accumulation)
     seconds = time.perf_counter() - start
@@ -180,6 +192,7 @@ def find(source: str, model: dict, plan: Plan, cfg: dict, run: int,
     return {
         "run": run, "seed": seed, "batch_size": batch, "accumulation_steps": accumulation,
         "effective_batch": batch * accumulation, "device": str(device),
+        "gpu": devices.claimed(),
         "precision": amp["precision"], "model": model["arch"], "recipe": recipe.name,
         "optimizer": recipe.optimizer, "batch_mixing": _mixing_note(recipe),
         "decoder": plan.decoder, "num_workers": plan.num_workers, "iterations": n,
@@ -196,11 +209,11 @@ def _mixing_note(recipe) -> str:
     return ("the recipe's " + " or ".join(parts) + ", as in training") if parts else "none"
 
 
-def run_find(source, model, memory_path, cfg, run, out, cluster, batch_size=None,
+def run_find(source, model, hw, memory_path, cfg, run, out, batch_size=None,
              threads=None) -> dict:
-    plan = Plan.read(memory_path, cluster)
-    result = find(source, model, plan, cfg, run, batch_size=batch_size, threads=threads)
-    return write_artifact(out, result, config_slice={"source": source, "model": model,
+    plan = Plan.read(memory_path, hw["name"])
+    result = find(source, model, hw, plan, cfg, run, batch_size=batch_size, threads=threads)
+    return write_artifact(out, result, config_slice={"source": source, "model": model, "hw": hw,
                                                       "lr_finder": cfg,
                                                       "run": run, "batch_size": batch_size},
                           inputs=[memory_path])

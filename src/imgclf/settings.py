@@ -170,6 +170,16 @@ def stage_hardware(config: dict, name: str) -> dict:
     return {k: v for k, v in cluster(config, name).items() if k not in HYDRATION_HW_KEYS}
 
 
+# What a single-device stage needs of its hardware entry: which device kind, and which GPU model
+# (whether it has native bfloat16). Editing the RAM or CPUs of an entry replans none of them.
+DEVICE_KEYS = ("name", "accelerator", "gpu_model")
+
+
+def device_entry(config: dict, name: str) -> dict:
+    """The keys of the resolved hardware entry that pick and check a stage's one device."""
+    return {k: cluster(config, name)[k] for k in DEVICE_KEYS}
+
+
 def expected_counts(config: dict) -> dict:
     return {k: v for k, v in config["dataset"].items() if k.startswith("expected_")}
 
@@ -296,10 +306,12 @@ SUMMARY_KEYS = ("skip_start", "skip_end", "gradient", "until_minimum", "suggesti
 
 def lr_find_params(config: dict, cluster_name: str) -> dict:
     """lr_find: what one range test depends on (not the run count, how a curve is read or how
-    runs are combined: adding a run or changing a suggestion rule redoes no existing run)."""
+    runs are combined: adding a run or changing a suggestion rule redoes no existing run), and
+    the device keys of the hardware entry."""
     return canonical({
         "source": index_files(cluster_name)["train"],
         "model": config["model"],
+        "hw": device_entry(config, cluster_name),
         "cfg": {k: config["lr_finder"][k] for k in RANGE_TEST_KEYS},
     })
 

@@ -2,5 +2,5 @@ from imgclf import lr_find, stage
 
 stage.run(lambda: lr_find.run_find(
     **snakemake.params.p, memory_path=snakemake.input.memory, run=int(snakemake.wildcards.run),
-    out=snakemake.output[0], cluster=snakemake.wildcards.cluster, threads=snakemake.threads,
+    out=snakemake.output[0], threads=snakemake.threads,
 ), snakemake.log[0])

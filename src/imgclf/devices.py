@@ -1,0 +1,107 @@
+"""Which GPUs a job uses, when several jobs share one machine's GPUs.
+
+Snakemake caps how many GPU jobs run at once (the `gpu` resource), but it does not say which
+GPU each takes: two LR-finder runs that both chose `cuda:0` would each size themselves to 85 %
+of it and run out of memory. So a job claims the devices it uses: an exclusive lock per device
+(`flock` on a file named after the device's UUID, held until the process ends, so a killed job
+frees its GPUs), then CUDA_VISIBLE_DEVICES set to the claimed devices before CUDA starts, so
+the job, and every rank Lightning's launcher starts from it, sees exactly those (as cuda:0..n-1).
+
+Under Slurm the scheduler already gives each job its own GPUs: a rank that srun started among
+several claims nothing (its GPU follows SLURM_LOCALID, as Lightning does it)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from imgclf import hardware
+from imgclf.errors import UserError
+
+log = logging.getLogger(__name__)
+# The claim of the process that holds the locks, inherited by the ranks Lightning's launcher
+# starts from it (they re-run the same command and must not claim again).
+CLAIM_ENV = "IMGCLF_CLAIMED_GPUS"
+WAIT_LOG_S = 60.0
+_held: list = []  # open lock files: the locks live as long as this process
+
+
+def lock_dir() -> Path:
+    """One folder per machine (the system's temporary folder), writable by every user."""
+    path = Path(tempfile.gettempdir()) / "imgclf-gpu-locks"
+    path.mkdir(mode=0o1777, exist_ok=True)
+    return path
+
+
+def _try_lock(uuid: str):
+    """The open lock file of device `uuid`, or None when another process holds it."""
+    path = lock_dir() / f"{uuid}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    f = os.fdopen(fd, "r+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def started_by_srun() -> bool:
+    """A rank that srun started among several tasks: Slurm chose its GPU."""
+    return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def claim_gpus(count: int, what: str, poll_s: float = 2.0) -> list[dict]:
+    """Claim `count` of the GPUs visible here for the rest of this process, waiting while too
+    few are free; return them (name, memory_gb, uuid) and make them this process's only CUDA
+    devices. Nothing to claim without GPUs, for srun's ranks, or in a rank started by a process
+    that already claimed."""
+    inherited = os.environ.get(CLAIM_ENV)
+    if inherited is not None:
+        return json.loads(inherited)
+    gpus = hardware.visible_devices()
+    if count < 1 or not gpus or started_by_srun():
+        return []
+    if count > len(gpus):
+        raise UserError(f"{what} needs {count} GPUs but this machine shows {len(gpus)}: run it "
+                        f"on a machine with {count}, or fix the entry's `gpus_per_node`.")
+    waited, last_note = 0.0, -WAIT_LOG_S
+    while True:
+        held = []
+        for gpu in gpus:
+            if len(held) == count:
+                break
+            lock = _try_lock(gpu["uuid"])
+            if lock is not None:
+                held.append((gpu, lock))
+        if len(held) == count:
+            break
+        for _, lock in held:
+            lock.close()
+        if waited - last_note >= WAIT_LOG_S:
+            log.info("%s: waiting for %d free GPU(s); the others are claimed by running jobs "
+                     "(locks in %s)", what, count, lock_dir())
+            last_note = waited
+        time.sleep(poll_s)
+        waited += poll_s
+    _held.extend(lock for _, lock in held)
+    claimed = [gpu for gpu, _ in held]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in claimed)
+    os.environ[CLAIM_ENV] = json.dumps(claimed)
+    log.info("%s: claimed GPU(s) %s", what, ", ".join(f"{g['name']} {g['uuid']}" for g in claimed))
+    return claimed
+
+
+def claimed() -> list[dict] | None:
+    """The GPUs this process (or the process that started it) claimed; None when none."""
+    inherited = os.environ.get(CLAIM_ENV)
+    return json.loads(inherited) if inherited else None
