@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from conftest import snakemake
+from conftest import REPO, snakemake
 from imgclf import lr_find, settings
 from imgclf.errors import UserError
 from imgclf.plan import Plan
@@ -292,3 +294,51 @@ def test_finder_takes_the_mixed_precision_arguments_of_the_gpu_path():
     finder.range_test(DataLoader(TensorDataset(x, y), batch_size=16), start_lr=1e-4, end_lr=1,
                       num_iter=5)
     assert len(finder.history["lr"]) == 5 and len(finder.raw) == 5
+
+
+def lr_jobs_timeline(output: str) -> list[tuple[str, int]]:
+    """("start" | "end", run) of every lr_find job, in the order Snakemake reports them."""
+    events, run_of = [], {}
+    for block in re.split(r"\n(?=\[\w{3} \w{3} )", output):
+        if "rule lr_find:" in block:
+            job = int(re.search(r"jobid: (\d+)", block)[1])
+            run_of[job] = int(re.search(r"run=(\d+)", block)[1])
+            events.append(("start", run_of[job]))
+        for job in re.findall(r"Finished jobid: (\d+) \(Rule: lr_find\)", block):
+            events.append(("end", run_of[int(job)]))
+    return events
+
+
+def test_lr_runs_take_one_gpu_each_and_never_more_than_there_are(workflow_copy, tmp_path):
+    """The README's `snakemake results/lr/g5_summary.json` on a machine with 2 GPUs (the
+    stand-in nvidia-smi) and 4 runs: with no `gpu` pool given, the workflow takes the 2 GPUs it
+    detects, so Snakemake runs at most 2 at once although 4 cores are free, and each run claims
+    a GPU of its own (it never had to wait for one)."""
+    gpus = tmp_path / "gpus.json"
+    gpus.write_text(json.dumps([{"name": "NVIDIA L4", "mib": 23034, "compute_cap": "8.9",
+                                 "uuid": f"GPU-0000000{i}-1111-2222-3333-444444444444"}
+                                for i in (1, 2)]))
+    (workflow_copy / "fast.yaml").write_text(FAST.replace("num_iter: 30", "runs: 4, num_iter: 20")
+                                             + "memory: {mode: estimate}\n")
+    (tmp_path / "locks").mkdir()
+    env = {"PATH": f"{REPO / 'tests' / 'stubs'}:{os.environ['PATH']}",
+           "NVIDIA_SMI_STUB": str(gpus), "TMPDIR": str(tmp_path / "locks")}
+    res = snakemake(workflow_copy, "--cores", "4", "results/lr/g5_summary.json",
+                    "--configfile", "fast.yaml", env=env)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "Provided cores: 4" in out
+    assert 'Provided resources: gpu=Resource("gpu", 2)' in out
+    runs = [json.loads((workflow_copy / f"results/lr/g5/run{i}.json").read_text())
+            for i in range(4)]
+    running, most = set(), 0
+    for what, run in lr_jobs_timeline(out):
+        if what == "start":
+            assert {runs[r]["gpu"][0]["uuid"] for r in running}.isdisjoint(
+                {runs[run]["gpu"][0]["uuid"]})  # not a GPU a running job holds
+            running.add(run)
+            most = max(most, len(running))
+        else:
+            running.discard(run)
+    assert most == 2
+    assert all(len(r["gpu"]) == 1 and r["gpu"][0]["waited_s"] == 0 for r in runs)

@@ -62,8 +62,8 @@ def started_by_srun() -> bool:
 
 def claim_gpus(count: int, what: str, poll_s: float = 2.0) -> list[dict]:
     """Claim `count` of the GPUs visible here for the rest of this process, waiting while too
-    few are free; return them (name, memory_gb, uuid) and make them this process's only CUDA
-    devices. Nothing to claim without GPUs, for srun's ranks, or in a rank started by a process
+    few are free; return them (name, memory_gb, uuid, and the seconds it waited) and make them
+    this process's only CUDA devices. Nothing to claim without GPUs, for srun's ranks, or in a rank started by a process
     that already claimed."""
     inherited = os.environ.get(CLAIM_ENV)
     if inherited is not None:
@@ -94,7 +94,7 @@ def claim_gpus(count: int, what: str, poll_s: float = 2.0) -> list[dict]:
         time.sleep(poll_s)
         waited += poll_s
     _held.extend(lock for _, lock in held)
-    claimed = [gpu for gpu, _ in held]
+    claimed = [{**gpu, "waited_s": waited} for gpu, _ in held]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in claimed)
     os.environ[CLAIM_ENV] = json.dumps(claimed)
     log.info("%s: claimed GPU(s) %s", what, ", ".join(f"{g['name']} {g['uuid']}" for g in claimed))

@@ -218,6 +218,12 @@ def mps_device() -> dict | None:
     return {"name": f"{cpu_model()} (MPS)", "memory_gb": gb(torch.mps.recommended_max_memory())}
 
 
+def local_device_count() -> int:
+    """Devices that GPU jobs can run on here at once: the visible CUDA GPUs, else 1 for Apple's
+    MPS, else 0."""
+    return len(detect_gpus()) or (1 if mps_device() else 0)
+
+
 def resolve_cluster(name: str, clusters: dict) -> dict:
     """The hardware entry `name` with every `auto` replaced by what this machine has.
 
