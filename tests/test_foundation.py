@@ -157,6 +157,21 @@ def test_every_profile_resolves_with_the_workflow_profile(tmp_path):
             in res.stderr
 
 
+def test_gpu_jobs_ask_for_the_gpus_they_use(tmp_path):
+    """On a g5 node every GPU job asks Snakemake's `gpu` pool for what it uses: one GPU per
+    LR-finder run and for evaluation (which would otherwise evaluate on the CPU without a word
+    on a cluster that hides unallocated GPUs), the node's four for training."""
+    work = copy_workflow(tmp_path / "wf")
+    res = subprocess.run([str(BIN / "snakemake"), "--profile", "profiles/g5", "-n",
+                          "results/eval/g5.json"], cwd=work, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    asked = {}
+    for block in res.stdout.split("\nrule ")[1:]:
+        gpu = re.search(r"resources: .*\bgpu=(\d+)", block)
+        asked.setdefault(block.split(":")[0], set()).add(int(gpu[1]) if gpu else None)
+    assert asked["lr_find"] == {1} and asked["evaluate"] == {1} and asked["train_model"] == {4}
+
+
 STAGE_COMMANDS = ("demo-data", "check-hydration", "benchmark-loader", "solve-memory", "lr-find",
                   "lr-summary", "train", "evaluate", "provenance")
 

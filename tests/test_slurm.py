@@ -26,24 +26,27 @@ from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
 from conftest import SNAKEMAKE, copy_workflow
-from imgclf import hardware, slurm
+from imgclf import hardware, settings, slurm
 
 P4X2 = {"name": "p4x2", "gpus_per_node": 8, "gpu_model": "A100", "gpu_memory_gb": 40,
         "nodes": 2, "cpus_per_node": 96, "ram_gb": 1152, "cpu_processes": 2,
-        "accelerator": "gpu", "devices_per_node": 8}
+        "accelerator": "gpu", "devices_per_node": 8, "slurm_gpu_request": "gres"}
 CPU2 = {"name": "local", "gpus_per_node": 0, "gpu_model": "none", "gpu_memory_gb": 0,
         "nodes": 1, "cpus_per_node": 2, "ram_gb": 23.5, "cpu_processes": 2,
-        "accelerator": "cpu", "devices_per_node": 2}
+        "accelerator": "cpu", "devices_per_node": 2, "slurm_gpu_request": "gres"}
 
 
 PROFILE = Path(__file__).resolve().parents[1] / "profiles/slurm/config.yaml"
 
 
-def sbatch_line(cluster: dict) -> str:
-    """The sbatch command the Slurm plugin builds from the training job's resources and the
-    profile's set-resources for it (runtime, the --deadline in slurm_extra)."""
-    res = {k: v for k, v in slurm.train_resources(cluster, True).items() if v is not None}
-    profile = yaml.safe_load(PROFILE.read_text())["set-resources"]["train_model"]
+def sbatch_line(cluster: dict, resources: dict | None = None, rule: str = "train_model") -> str:
+    """The sbatch command the Slurm plugin builds from a job's resources (by default the
+    training job's) and the profile's set-resources for its rule (training: runtime, the
+    --deadline in slurm_extra)."""
+    if resources is None:
+        resources = slurm.train_resources(cluster, True)
+    res = {k: v for k, v in resources.items() if v is not None}
+    profile = yaml.safe_load(PROFILE.read_text())["set-resources"].get(rule, {})
     # Snakemake evaluates a string resource of a profile as a Python expression
     res.update({k: ast.literal_eval(v) if isinstance(v, str) else v for k, v in profile.items()})
     job = SimpleNamespace(resources=ResourceList(fromdict=res), threads=2)
@@ -58,12 +61,12 @@ def test_p4_on_two_nodes_asks_for_one_task_per_gpu():
     r = slurm.train_resources(P4X2, True)
     assert r["mpi"] == (f"{slurm.STEP_RUNNER} srun --nodes=2 --ntasks-per-node=8 "
                         "--cpus-per-task=12 --kill-on-bad-exit=1")
-    assert (r["nodes"], r["tasks_per_node"], r["tasks"], r["gres"]) == (2, 8, None, "gpu:8")
+    assert (r["nodes"], r["tasks_per_node"], r["tasks"], r["gres"]) == (2, 8, None, "gpu:a100:8")
     assert r["gpu"] is None and r["tasks_per_gpu"] == 0 and r["cpus_per_task"] == 12
     # 90 % of the node's 1152 GB, in Slurm's MB of 2**20 bytes
     assert r["mem_mb_per_cpu"] == int(1152e9 / 2**20 * 0.9) // 96 == 10299
     line = sbatch_line(P4X2)
-    for flag in ("--nodes=2", "--ntasks-per-node=8", "--cpus-per-task=12", "--gres=gpu:8",
+    for flag in ("--nodes=2", "--ntasks-per-node=8", "--cpus-per-task=12", "--gres=gpu:a100:8",
                  "--mem-per-cpu 10299", "-t 2880", "--deadline=now+4320minutes"):
         assert flag in line, line
     # --gpus would count GPUs per job, --ntasks-per-gpu conflicts with --ntasks-per-node
@@ -92,6 +95,32 @@ def test_outside_slurm_training_takes_the_local_gpu_pool_only():
     r = slurm.train_resources(P4X2, False)
     assert r["gpu"] == 8 and r["mpi"] == ""
     assert all(v is None for k, v in r.items() if k not in ("gpu", "mpi"))
+
+
+def test_gpu_requests_name_the_entrys_gpu_type():
+    """In a partition of mixed GPUs, a batch planned for an A100 40 GB must not land on a 16 GB
+    card: every GPU request names the entry's GPU, as typed GRES or as a constraint."""
+    # one-GPU jobs (LR-finder runs, the memory solve, evaluation): --gpus=<type>:1
+    one = slurm.gpu_resources(P4X2, 1, True)
+    assert set(one) == set(slurm.GPU_RESOURCE_KEYS)
+    assert sbatch_line(P4X2, one, "lr_find").endswith(" --gpus=a100:1")
+    # the site's own name for the type, and a constraint (node feature) instead of a type
+    site = {**P4X2, "slurm_gpu_type": "nvidia_a100-sxm4-40gb".replace("-", "_")}
+    assert "--gres=gpu:nvidia_a100_sxm4_40gb:8" in sbatch_line(site)
+    feature = {**P4X2, "slurm_gpu_request": "constraint"}
+    line = sbatch_line(feature)
+    assert "--gres=gpu:8" in line and " -C a100" in line, line
+    line = sbatch_line(feature, slurm.gpu_resources(feature, 1, True), "evaluate")
+    assert " -C a100" in line and line.endswith(" --gpus=1"), line
+    # a cluster whose GPUs have no types; an entry without GPUs; outside Slurm, only a count
+    untyped = {**P4X2, "slurm_gpu_request": "untyped"}
+    assert "--gres=gpu:8" in sbatch_line(untyped) and " -C " not in sbatch_line(untyped)
+    assert sbatch_line(CPU2, slurm.gpu_resources(CPU2, 1, True), "lr_find").endswith(" --gpus=1")
+    assert slurm.gpu_resources(P4X2, 1, False) == {"gpu": 1, "gpu_model": None, "constraint": None}
+    # the entries of config/config.yaml, as the workflow resolves them
+    config = settings.load()
+    for name, kind in (("g5", "a10g"), ("p3", "v100"), ("p4", "a100")):
+        assert slurm.gpu_resources(settings.cluster(config, name), 1, True)["gpu_model"] == kind
 
 
 def test_which_processes_run_under_slurm(monkeypatch):

@@ -159,15 +159,18 @@ def cluster(config: dict, name: str) -> dict:
 
 
 # keys of a hardware entry that only the hydration check reads (data_root reaches the other
-# stages as their own `root`)
+# stages as their own `root`), and those that only shape a Slurm request
 HYDRATION_HW_KEYS = ("min_read_mb_s", "data_root")
+SLURM_HW_KEYS = ("slurm_gpu_request", "slurm_gpu_type")
 
 
 def stage_hardware(config: dict, name: str) -> dict:
-    """The resolved hardware entry without the hydration check's keys, for the stages after it:
-    relaxing a cluster's read-throughput floor must not replan the loader benchmark, the memory
-    solve or training, which never read it."""
-    return {k: v for k, v in cluster(config, name).items() if k not in HYDRATION_HW_KEYS}
+    """The resolved hardware entry without the hydration check's keys and the Slurm request's,
+    for the stages after the check: relaxing a cluster's read-throughput floor or renaming its
+    GPU type for Slurm must not replan the loader benchmark, the memory solve or training,
+    which never read them."""
+    return {k: v for k, v in cluster(config, name).items()
+            if k not in HYDRATION_HW_KEYS + SLURM_HW_KEYS}
 
 
 # What a single-device stage needs of its hardware entry: which device kind, and which GPU model

@@ -79,7 +79,38 @@ STEP_RUNNER = f"{shlex.quote(sys.executable)} -m imgclf.slurm"
 
 # The Snakemake resources of a job that trains (train_model, validate_lr_run)
 TRAIN_RESOURCE_KEYS = ("gpu", "mpi", "nodes", "tasks", "tasks_per_node", "tasks_per_gpu", "gres",
-                       "cpus_per_task", "mem_mb_per_cpu")
+                       "constraint", "cpus_per_task", "mem_mb_per_cpu")
+# The Snakemake resources of a job that asks for GPUs of its entry's model on one node
+GPU_RESOURCE_KEYS = ("gpu", "gpu_model", "constraint")
+# Slurm names a GPU type with letters, digits, `_` and `.` (the plugin's own check)
+GPU_TYPE = re.compile(r"[A-Za-z0-9_.]+")
+
+
+def gpu_type(cluster: dict) -> str | None:
+    """The name this cluster's Slurm gives the entry's GPU: `slurm_gpu_type`, else the entry's
+    `gpu_model` in lower case (`a100`); None where no GPU model is named (an `auto` entry
+    resolves to the full name of a GPU, which is no Slurm type) or `slurm_gpu_request` is
+    `untyped`."""
+    if cluster["slurm_gpu_request"] == "untyped" or not cluster["gpus_per_node"]:
+        return None
+    name = str(cluster.get("slurm_gpu_type") or cluster.get("gpu_model", "")).lower()
+    return name if GPU_TYPE.fullmatch(name) and name not in ("none", "unknown", "auto") else None
+
+
+def gpu_resources(cluster: dict, count: int, slurm: bool) -> dict:
+    """Snakemake resources of a one-node job that asks for `count` GPUs of the entry.
+
+    Outside Slurm only the count, taken from the `gpu` pool of this machine. Under Slurm a
+    request that names the entry's GPU, so that a batch planned for an A100 40 GB never lands
+    on a 16 GB card of a mixed partition: `--gpus=<type>:N` (the plugin's `gpu_model`; typed
+    GRES), or with `slurm_gpu_request: constraint` `--gpus=N` and `-C <type>` (a node feature),
+    as the cluster names its GPUs."""
+    out = dict.fromkeys(GPU_RESOURCE_KEYS)
+    out["gpu"] = count
+    kind, name = cluster["slurm_gpu_request"], gpu_type(cluster)
+    if slurm and count and name:
+        out["gpu_model" if kind == "gres" else "constraint"] = name
+    return out
 
 
 def train_resources(cluster: dict, slurm: bool) -> dict:
@@ -94,10 +125,14 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
     if not slurm:
         return {**dict.fromkeys(TRAIN_RESOURCE_KEYS), "gpu": gpus, "mpi": ""}
     per_node = lay["tasks_per_node"]
+    name, kind = gpu_type(cluster), cluster["slurm_gpu_request"]
+    typed = name and kind == "gres"
     return {
-        # GPUs per node as GRES: the `gpu` resource becomes --gpus, a count for the whole job
+        # GPUs per node as GRES, typed with the entry's GPU (or with a constraint); the `gpu`
+        # resource would become --gpus, a count for the whole job
         "gpu": None,
-        "gres": f"gpu:{gpus}" if gpus else None,
+        "gres": (f"gpu:{name}:{gpus}" if typed else f"gpu:{gpus}") if gpus else None,
+        "constraint": name if gpus and name and kind == "constraint" else None,
         "nodes": lay["nodes"],
         # the plugin takes one of the two, and only above 1
         "tasks_per_node": per_node if world > 1 and per_node > 1 else None,

@@ -25,6 +25,20 @@ def training_resources():
     }
 
 
+def gpu_job_resources(count):
+    """Resources of a one-node job that asks for `count(wildcards)` GPUs of its entry, one
+    lambda per key of slurm.gpu_resources: the count from this machine's `gpu` pool locally,
+    a request naming the entry's GPU type under Slurm."""
+    return {
+        key: (
+            lambda wc, key=key: slurm.gpu_resources(
+                hw(wc), count(wc), slurm.workflow_on_slurm(workflow)
+            )[key]
+        )
+        for key in slurm.GPU_RESOURCE_KEYS
+    }
+
+
 def hw(wildcards):
     """Hardware entry of the job's cluster, `auto` values resolved on this machine."""
     return settings.cluster(config, wildcards.cluster)

@@ -26,8 +26,10 @@ rule solve_memory:
     benchmark:
         "benchmarks/memory/{cluster}.tsv"
     resources:
-        gpu=lambda wc: memory_solve.gpus_to_request(
-            config["memory"], hw(wc), slurm.workflow_on_slurm(workflow)
+        **gpu_job_resources(
+            lambda wc: memory_solve.gpus_to_request(
+                config["memory"], hw(wc), slurm.workflow_on_slurm(workflow)
+            )
         ),
     params:
         p=lambda wc: settings.memory_params(config, wc.cluster),

@@ -57,6 +57,9 @@ rule evaluate:
     log:
         "logs/eval/{cluster}.log",
     threads: lambda wc: hw(wc)["cpus_per_node"]
+    resources:
+        # one GPU of the entry (none for an entry without GPUs)
+        **gpu_job_resources(lambda wc: int(hw(wc)["accelerator"] == "gpu")),
     params:
         p=lambda wc: json.dumps(
             settings.evaluate_params(config, wc.cluster), sort_keys=True
