@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from imgclf import recipes, settings, train
 from imgclf.errors import UserError
@@ -317,6 +319,67 @@ def test_ddp_two_gloo_processes_through_cli(demo_root, tmp_path):
     assert "\r" not in text and "\r" not in res.stderr
     for written in (out / "train_summary.json", out / "best.ckpt", out / "checkpoints/last.ckpt"):
         assert written.stat().st_mode & 0o777 == 0o666 & ~UMASK, written
+
+
+def test_a_failure_on_rank_zero_ends_the_other_ranks(demo_root, tmp_path):
+    """Rank 0 stops on a broken image (a user's error) while rank 1 trains on: rank 0 ends rank
+    1 and says so, instead of leaving it to wait in its next collective (under NCCL until the
+    30-minute timeout, holding its GPU)."""
+    from imgclf import data
+
+    root = tmp_path / "data"
+    shutil.copytree(demo_root, root)
+    cfg = {"epochs": 1, "limit_val_batches": 1}
+    params, memory, lr_summary = write_inputs(tmp_path, root, cfg, batch=8)
+    # rank 0's first batch, as Lightning's DistributedSampler deals it (seed_everything(0))
+    idx = data.split_index(str(root), "train")
+    first = list(DistributedSampler(range(len(idx)), num_replicas=2, rank=0, shuffle=True,
+                                    seed=0))[:8]
+    for i in first:
+        path = Path(idx.file(i))
+        path.write_bytes(path.read_bytes()[:40])
+    out, log = tmp_path / "out", tmp_path / "train.log"
+    res = subprocess.run(cli_train(params, memory, lr_summary, out, "--log", str(log)),
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    text = log.read_text()
+    assert "Training stopped: image" in text and "no longer decodes" in text
+    ranks = json.loads((out / "logs/csv/version_0/attempt.json").read_text())["ranks"]
+    rank1 = next(r["pid"] for r in ranks if r["rank"] == 1)
+    assert f"ended the other local ranks (pids {rank1})" in text
+    assert not Path(f"/proc/{rank1}").exists()  # ended, not left waiting
+
+
+def test_trainer_options_follow_the_device():
+    """DDP on GPUs and CPU ranks, one device without DDP on Apple's MPS; SyncBatchNorm only when
+    asked for (its collectives per BN layer cost more than the reference recipes gain at their
+    per-GPU batches); torchmetrics' per-step argument checks off."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    t = settings.section({}, "train")
+    assert t["sync_batchnorm"] is False
+
+    def job(cluster, **train_cfg):
+        return train.Job(params={"cluster": cluster, "model": {"precision": "32"}},
+                         t={**t, **train_cfg}, plan=plan_for(world=cluster["devices_per_node"]),
+                         recipe=recipes.get("demo"), lr={}, epochs=1, out_dir=Path("out"),
+                         digest="", resume={})
+
+    gpu = {**CPU_CLUSTER, "name": "g5", "gpus_per_node": 4, "accelerator": "gpu",
+           "devices_per_node": 4}
+    o = train.trainer_options(job(gpu))
+    assert isinstance(o["strategy"], DDPStrategy) and o["strategy"].process_group_backend == "nccl"
+    assert o["sync_batchnorm"] is False and o["benchmark"] is True
+    assert train.trainer_options(job(gpu, sync_batchnorm=True))["sync_batchnorm"] is True
+    mps = {**CPU_CLUSTER, "accelerator": "mps", "devices_per_node": 1}
+    o = train.trainer_options(job(mps))
+    assert (o["accelerator"], o["devices"], o["strategy"]) == ("mps", 1, "auto")
+    assert isinstance(o["plugins"][0], train.AtomicCheckpointIO) and o["benchmark"] is None
+    assert job(mps).strategy == "single device (mps)" and job(gpu).strategy == "ddp (nccl)"
+    o = train.trainer_options(job(CPU_CLUSTER, sync_batchnorm=True))
+    assert o["strategy"].process_group_backend == "gloo" and o["sync_batchnorm"] is False
+    module = train.ImageClassifier("resnet18", ["a", "b"], "demo", 0.1, 0)
+    assert not module.train_acc1.validate_args and not module.val_acc5.validate_args
 
 
 def test_published_recipe_trains_with_its_weight_average_and_sampler(demo_root, tmp_path):

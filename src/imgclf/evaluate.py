@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from imgclf import data, plots, provenance, recipes, settings
+from imgclf import data, devices, hardware, plots, provenance, recipes, settings
 from imgclf.errors import UserError
 from imgclf.index import BAD_FILES, read_bad_files
 from imgclf.plan import Plan
@@ -94,19 +94,29 @@ def load_checkpoint(path) -> dict:
 
 
 def autocast(device: torch.device, precision: str):
+    """Inference at the training's precision: bf16 wherever it trained (CPU included), fp16 on
+    the devices that train in it (CUDA, MPS)."""
     import contextlib
 
     if precision.startswith("bf16"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision.startswith("16") and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.float16)
+    if precision.startswith("16") and device.type in ("cuda", "mps"):
+        return torch.autocast(device.type, dtype=torch.float16)
     return contextlib.nullcontext()
 
 
-def pick_device(cluster: dict) -> torch.device:
-    if cluster["accelerator"] == "gpu" and torch.cuda.is_available():
-        return torch.device("cuda")
+def pick_device(cluster: dict, precision: str) -> torch.device:
+    """One GPU of a GPU entry, claimed for this job (a node's other jobs keep theirs) and
+    checked against the torch build and the precision before the first CUDA call; Apple's MPS
+    for a `local` entry on a Mac; else the CPU, said in the log when the entry has GPUs."""
+    hardware.check_precision(cluster, precision)
+    if cluster["accelerator"] == "mps":
+        return torch.device("mps")
     if cluster["accelerator"] == "gpu":
+        devices.claim_gpus(1, f"Evaluation of cluster {cluster['name']!r}")
+        if hardware.cuda_ready(cluster):
+            hardware.check_precision(cluster, precision, hardware.capability())
+            return torch.device("cuda", 0)
         log.warning("cluster %s has GPUs but this machine has none: evaluating on the CPU",
                     cluster["name"])
     return torch.device("cpu")
@@ -156,7 +166,7 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
     if dataset.classes != classes:
         raise UserError(f"{params['index']} has classes {dataset.classes[:5]}... but the "
                         f"checkpoint was trained on {classes[:5]}...: evaluate on the same data.")
-    device = pick_device(cluster)
+    device = pick_device(cluster, str(model_cfg["precision"]))
     model = load_model(ckpt, model_cfg, checkpoint, device)
     batch = int(ev["batch_size"] or plan.per_device_batch)
     loader = data.loader(dataset, batch, plan.num_workers, plan.prefetch_factor,

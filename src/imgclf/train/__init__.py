@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 
-from imgclf import lr_validation, provenance, recipes, settings, slurm
+from imgclf import devices, hardware, lr_validation, provenance, recipes, settings, slurm
 from imgclf.data import BadImageError
 from imgclf.index import BAD_FILES, read_bad_files
 from imgclf.errors import UserError
@@ -104,20 +105,49 @@ def validated_lr(path, plan: Plan) -> dict:
 
 
 def check_hardware(cluster: dict, precision: str) -> None:
-    """Refuse, in one sentence, what this machine cannot run."""
+    """Claim this machine's GPUs for the run and refuse, in one sentence, what this machine
+    cannot run: before any CUDA call, so that the claimed GPUs are the only ones CUDA shows."""
     name, n = cluster["name"], cluster["devices_per_node"]
     if cluster["accelerator"] == "gpu":
-        if not torch.cuda.is_available():
+        devices.claim_gpus(n, f"Training of cluster {name!r}")
+        if not hardware.cuda_ready(cluster):
             raise UserError(f"Cluster {name!r} trains on {n} GPU(s) per node but this machine has "
                             f"no usable CUDA GPU (every stage before training is done): run the "
                             f"same command on a {name} node, or submit it with "
                             f"`snakemake --profile profiles/slurm train --config cluster={name}`.")
-        if "SLURM_NTASKS" not in os.environ and torch.cuda.device_count() < n:
+        if not devices.started_by_srun() and torch.cuda.device_count() < n:
             raise UserError(f"Cluster {name!r} asks for {n} GPUs per node but this machine shows "
                             f"{torch.cuda.device_count()}: fix `clusters.{name}.gpus_per_node`.")
+        hardware.check_precision(cluster, precision, hardware.capability())
+    elif cluster["accelerator"] == "mps":
+        if not torch.backends.mps.is_available():
+            raise UserError(f"Cluster {name!r} trains on Apple's MPS, which this machine lacks: "
+                            f"set `clusters.{name}.gpus_per_node` to 0 to train on the CPU.")
+        hardware.check_precision(cluster, precision)
     elif precision in ("16-mixed", "16"):
         raise UserError(f"`model.precision: {precision}` needs a GPU but cluster {name!r} trains "
                         f"on the CPU: use \"32\" or \"bf16-mixed\".")
+
+
+def end_local_ranks(trainer) -> None:
+    """After a failure in the process that started the other local ranks (Lightning's launcher:
+    this is global rank 0), end them: they would otherwise wait in their next collective until
+    its timeout (NCCL's default is 30 minutes), holding their GPUs, and a rerun would find the
+    GPUs busy. A failure in one of them is the launcher's own business: its observer ends every
+    rank within seconds. Ranks srun started are srun's (--kill-on-bad-exit)."""
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if not isinstance(launcher, _SubprocessScriptLauncher):
+        return
+    running = [p for p in launcher.procs if p.poll() is None]
+    if not running:
+        return
+    launcher.kill(signal.SIGKILL)
+    for proc in running:
+        proc.wait()
+    log.error("ended the other local ranks (pids %s) so that none waits for this one",
+              ", ".join(str(p.pid) for p in running))
 
 
 @dataclass
@@ -153,6 +183,12 @@ class Job:
     def backend(self) -> str:
         return "nccl" if self.gpu else "gloo"
 
+    @property
+    def strategy(self) -> str:
+        """How the run is laid out, as train_summary.json records it."""
+        return "single device (mps)" if self.cluster["accelerator"] == "mps" \
+            else f"ddp ({self.backend})"
+
 
 def prepare(params: dict, memory_path, lr_summary_path, out_dir) -> Job:
     for key in ("data_root", "index", "model", "cluster"):
@@ -182,29 +218,43 @@ def prepare(params: dict, memory_path, lr_summary_path, out_dir) -> Job:
                warmup_fraction=warmup)
 
 
-def build_trainer(job: Job, loggers: list, callbacks: list, show_bar: bool) -> L.Trainer:
+def trainer_options(job: Job) -> dict:
+    """The Trainer's arguments that follow from the hardware entry, the plan and `train.*`.
+
+    DDP on GPUs (NCCL) and CPU ranks (gloo); one device and no DDP on Apple's MPS, which
+    Lightning runs with a single-device strategy only. SyncBatchNorm only where asked for, as
+    it costs about two collectives and a host synchronisation per BN layer per step."""
     from lightning.pytorch.strategies import DDPStrategy
 
     c, t = job.cluster, job.t
     world = int(c["devices_per_node"]) * int(c["nodes"])
+    if c["accelerator"] == "mps":
+        placement = {"strategy": "auto", "plugins": [AtomicCheckpointIO()]}
+    else:
+        placement = {"strategy": DDPStrategy(process_group_backend=job.backend,
+                                             checkpoint_io=AtomicCheckpointIO())}
+    return {
+        "accelerator": c["accelerator"], "devices": int(c["devices_per_node"]),
+        "num_nodes": int(c["nodes"]), **placement,
+        "sync_batchnorm": bool(t["sync_batchnorm"]) and job.gpu and world > 1,
+        "precision": str(job.params["model"]["precision"]),
+        "accumulate_grad_batches": job.plan.accumulate_grad_batches,
+        "max_epochs": job.epochs, "max_steps": job.max_steps or -1,
+        "benchmark": bool(t["cudnn_benchmark"]) if job.gpu else None,
+        "deterministic": bool(t["deterministic"]),
+        "default_root_dir": job.out_dir, "log_every_n_steps": int(t["log_every_n_steps"]),
+        "limit_train_batches": t["limit_train_batches"],
+        "limit_val_batches": t["limit_val_batches"],
+    }
+
+
+def build_trainer(job: Job, loggers: list, callbacks: list, show_bar: bool) -> L.Trainer:
     if not job.gpu:
         # Snakemake exports OMP_NUM_THREADS=<job threads>, and Lightning then leaves every rank
         # that many threads: 2 ranks x 2 threads on 2 cores ran 3x slower. Share the cores.
-        torch.set_num_threads(slurm.cpu_threads_per_rank(int(c["devices_per_node"])))
-    return L.Trainer(
-        accelerator=c["accelerator"], devices=int(c["devices_per_node"]),
-        num_nodes=int(c["nodes"]),
-        strategy=DDPStrategy(process_group_backend=job.backend,
-                             checkpoint_io=AtomicCheckpointIO()),
-        sync_batchnorm=bool(t["sync_batchnorm"]) and job.gpu and world > 1,
-        precision=str(job.params["model"]["precision"]),
-        accumulate_grad_batches=job.plan.accumulate_grad_batches,
-        max_epochs=job.epochs, max_steps=job.max_steps or -1,
-        benchmark=bool(t["cudnn_benchmark"]) if job.gpu else None,
-        deterministic=bool(t["deterministic"]), logger=loggers,
-        callbacks=callbacks, enable_progress_bar=show_bar,
-        default_root_dir=job.out_dir, log_every_n_steps=int(t["log_every_n_steps"]),
-        limit_train_batches=t["limit_train_batches"], limit_val_batches=t["limit_val_batches"])
+        torch.set_num_threads(slurm.cpu_threads_per_rank(int(job.cluster["devices_per_node"])))
+    return L.Trainer(**trainer_options(job), logger=loggers, callbacks=callbacks,
+                     enable_progress_bar=show_bar)
 
 
 def build_loggers(out_dir: Path) -> list:
@@ -268,14 +318,15 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
     trainer = build_trainer(job, loggers, callbacks, show_bar)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=job.resume["path"])
-    except BadImageError as e:
-        raise UserError(broken_file_sentence(e, bad_list, job.out_dir)) from None
-    except RuntimeError as e:
-        if not peer_failed(e):
-            raise
-        raise UserError(f"Training stopped: another rank failed (its own message is above); "
-                        f"once that is resolved, run the same command again to resume from "
-                        f"{job.out_dir / 'checkpoints' / 'last.ckpt'}.") from None
+    except BaseException as e:
+        end_local_ranks(trainer)
+        if isinstance(e, BadImageError):
+            raise UserError(broken_file_sentence(e, bad_list, job.out_dir)) from None
+        if isinstance(e, RuntimeError) and peer_failed(e):
+            raise UserError(f"Training stopped: another rank failed (its own message is above); "
+                            f"once that is resolved, run the same command again to resume from "
+                            f"{job.out_dir / 'checkpoints' / 'last.ckpt'}.") from None
+        raise
     if not trainer.is_global_zero:
         return None
     return finish(job, trainer, datamodule, checkpoint, throughput, recorder, t_start)
@@ -333,7 +384,7 @@ def run_shape(job: Job, trainer) -> dict:
         "num_nodes": trainer.num_nodes,
         "devices_per_node": int(c["devices_per_node"]),
         "accelerator": c["accelerator"],
-        "strategy": f"ddp ({job.backend})",
+        "strategy": job.strategy,
         # SLURMEnvironment: ranks started by srun; LightningEnvironment: by Lightning's launcher
         "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
         "main_address": (f"{trainer.strategy.cluster_environment.main_address}:"
