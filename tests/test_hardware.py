@@ -244,3 +244,69 @@ def test_local_uses_apple_mps_on_a_mac_and_nowhere_else(monkeypatch, tmp_path):
     # not a Mac: never MPS, whatever torch says
     monkeypatch.setattr(platform, "system", lambda: "Linux")
     assert hardware.resolve_cluster("local", clusters)["accelerator"] == "cpu"
+
+
+# --- jobs that share a machine's GPUs claim their own ---------------------------------------
+
+CLAIM = """
+import json, sys, time
+from imgclf import devices
+claimed = devices.claim_gpus(int(sys.argv[1]), "test job", poll_s=0.2)
+print(json.dumps({"claimed": [g["uuid"] for g in claimed], "waited": claimed[0]["waited_s"],
+                  "visible": __import__("os").environ["CUDA_VISIBLE_DEVICES"]}), flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_jobs_on_one_machine_claim_distinct_gpus_and_wait_for_a_free_one(nvidia_smi, tmp_path):
+    """Three jobs on a machine of 3 GPUs: a training job claims 2, an LR-finder run the third,
+    and a second run waits until the first ends (its locks go with its process), then gets the
+    GPU it freed; each sees only its own GPUs, in CUDA_VISIBLE_DEVICES."""
+    import subprocess
+    import sys
+
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+
+    def job(count, hold):
+        return subprocess.Popen([sys.executable, "-c", CLAIM, str(count), str(hold)], env=env,
+                                stdout=subprocess.PIPE, text=True)
+
+    def claimed(proc):
+        return json.loads(proc.stdout.readline())
+
+    training = job(2, 6)
+    train = claimed(training)
+    first = job(1, 1.5)
+    run1 = claimed(first)
+    second = job(1, 0)
+    run2 = claimed(second)
+    for proc in (training, first, second):
+        assert proc.wait(timeout=30) == 0
+    uuids = [g["uuid"] for g in GPUS]
+    assert train["claimed"] == uuids[:2] and train["visible"] == ",".join(uuids[:2])
+    assert run1["claimed"] == [uuids[2]] and run1["visible"] == uuids[2]
+    assert run2["claimed"] == [uuids[2]] and run2["waited"] >= 1.0  # after run 1 ended
+    assert train["waited"] == 0 and run1["waited"] == 0
+
+
+def test_a_job_needing_more_gpus_than_the_machine_shows_is_one_sentence(nvidia_smi):
+    from imgclf import devices
+
+    with pytest.raises(hardware.UserError) as err:
+        devices.claim_gpus(4, "Training of cluster 'g5'")
+    assert one_sentence(str(err.value)) and "needs 4 GPUs but this machine shows 3" in str(err.value)
+
+
+def test_each_single_device_stage_refuses_emulated_bf16_before_it_starts(demo_root):
+    """The LR finder and evaluation of p3 in bf16-mixed stop in one sentence, on this machine
+    too (their plan is p3's), before any model is built."""
+    from imgclf import evaluate, lr_find
+
+    p3 = settings.device_entry(settings.load(), "p3")
+    model = {"arch": "resnet18", "recipe": "demo", "resolution": 16, "precision": "bf16-mixed",
+             "channels_last": False}
+    with pytest.raises(hardware.UserError, match="use `model.precision: 16-mixed`"):
+        lr_find.find(str(demo_root), model, p3, plan=None, cfg={"seed": 0}, run=0)
+    with pytest.raises(hardware.UserError, match="use `model.precision: 16-mixed`"):
+        evaluate.pick_device(settings.cluster(settings.load(), "p3"), "bf16-mixed")

@@ -154,6 +154,7 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
     of hardware entry `hw`; returns the loss curve and where it diverged."""
     import torch
 
+    hardware.check_precision(hw, model["precision"])  # the entry's GPU model, before any work
     if threads:
         torch.set_num_threads(threads)
     seed = cfg["seed"] + run
@@ -161,8 +162,8 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
     recipe = recipes.get(model["recipe"])
     batch = batch_size or plan.per_device_batch
     device = _device(hw, run)
-    hardware.check_precision(hw, model["precision"],
-                             hardware.capability() if device.type == "cuda" else None)
+    if device.type == "cuda":  # the device itself decides
+        hardware.check_precision(hw, model["precision"], hardware.capability())
     amp = _amp(model["precision"], device)
     train_set = data.train_dataset(source, plan.decoder, model["resolution"], recipe)
     net = recipes.build_model(model["arch"], len(train_set.classes), recipe.drop_path)
