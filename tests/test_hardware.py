@@ -231,7 +231,9 @@ def test_local_uses_apple_mps_on_a_mac_and_nowhere_else(monkeypatch, tmp_path):
     monkeypatch.setattr(platform, "system", lambda: "Darwin")
     monkeypatch.setattr(platform, "machine", lambda: "arm64")
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 22_906_503_168)
+    # (torch 2.4 has no recommended_max_memory: MPS is then not used, and nothing to fake)
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 22_906_503_168,
+                        raising=False)
     clusters = settings.load()["clusters"]
     local = hardware.resolve_cluster("local", clusters)
     assert (local["accelerator"], local["devices_per_node"], local["nodes"],

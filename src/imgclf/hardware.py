@@ -215,6 +215,13 @@ def mps_device() -> dict | None:
 
     if not torch.backends.mps.is_available():
         return None
+    if not hasattr(torch.mps, "recommended_max_memory"):  # torch before 2.5
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "torch %s cannot tell Metal's memory budget: MPS is not used; update torch to 2.5 or "
+            "newer to train on it", torch.__version__)
+        return None
     return {"name": f"{cpu_model()} (MPS)", "memory_gb": gb(torch.mps.recommended_max_memory())}
 
 
