@@ -170,6 +170,11 @@ def test_gpu_jobs_ask_for_the_gpus_they_use(tmp_path):
         gpu = re.search(r"resources: .*\bgpu=(\d+)", block)
         asked.setdefault(block.split(":")[0], set()).add(int(gpu[1]) if gpu else None)
     assert asked["lr_find"] == {1} and asked["evaluate"] == {1} and asked["train_model"] == {4}
+    # the machine profiles give their node's GPUs as the pool; profiles/local none, so the
+    # GPUs detected here are (tests/test_lr.py runs that with Snakemake's scheduler)
+    pools = {name: yaml.safe_load((REPO / "profiles" / name / "config.yaml").read_text())
+             .get("resources") for name in ("local", "g5", "p3", "p4")}
+    assert pools == {"local": None, "g5": ["gpu=4"], "p3": ["gpu=8"], "p4": ["gpu=8"]}
 
 
 STAGE_COMMANDS = ("demo-data", "check-hydration", "benchmark-loader", "solve-memory", "lr-find",
