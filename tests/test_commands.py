@@ -1,11 +1,17 @@
-"""The README's everyday commands, run exactly as the README writes them (read from it, so the
-two cannot drift apart), from a fresh copy of the workflow with the demo data: no flag the
-user did not type. Only the Slurm command runs as a dry run here (tests/test_slurm.py runs
-it on a real cluster); the report command runs after a complete run in
-test_reproducibility.py."""
+"""Every command the documentation shows, run as it is written.
+
+The commands are read from the bash blocks of README.md, docs/*.md and config/README.md, so the
+documents and the tests cannot drift apart, and HOW says how each one runs here, from a copy of
+the workflow with the demo data standing in for the user's: for real, as a dry run (`-n`, the
+one word added) where it needs GPUs or a cluster this machine lacks, or not here, with the
+reason. A documented command without a line in HOW fails, and so does a line for a command no
+document shows. A config file a command names (`--configfile imagenet.yaml`) is the documents'
+own: a yaml block that starts with `# imagenet.yaml`, or a comment `# r50.yaml: ...` in the
+command's block; its data set is the demo's."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -13,96 +19,206 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from conftest import BIN, REPO, copy_workflow
 
+REAL, DRY = "run", "dry run"
+# Each documented command and how it runs here; a sentence is why it does not run here.
+HOW = {
+    "./run.sh demo": "it installs the environment, then runs `snakemake --cores all`, the "
+                     "default target that test_reproducibility.py runs to the end",
+    "./run.sh test": "it runs this suite",
+    # needs a g5's 4 GPUs; test_train.py checks the sentence a machine without them gives
+    "snakemake train --profile profiles/g5": DRY,
+    "snakemake results/lr/g5_summary.json": REAL,
+    "snakemake train --profile profiles/slurm": DRY,
+    # the same stages as the g5 LR stage above, which runs for real
+    "snakemake results/memory/p4.json --cores all": DRY,
+    "snakemake --report results/report.html": "test_reproducibility.py runs it, as read here, "
+                                              "after its complete run",
+    "imgclf check-hydration --cluster g5 --restore": REAL,
+    "imgclf lr-find --cluster g5 --runs 3 --batch-size 32": REAL,
+    "imgclf lr-summary --cluster g5": REAL,
+    "imgclf provenance results/lr/g5_summary.json": REAL,
+    "snakemake train --profile profiles/g5 --configfile imagenet.yaml": DRY,
+    "for c in g5 p3 p4; do\n"
+    "imgclf check-hydration --cluster $c --configfile r50.yaml\n"
+    "imgclf benchmark-loader --cluster $c --configfile r50.yaml\n"
+    "imgclf solve-memory --cluster $c --configfile r50.yaml\n"
+    "done": REAL,
+    "snakemake --profile profiles/slurm": DRY,
+    "snakemake train --profile profiles/slurm --configfile p4x2.yaml --config cluster=p4x2": DRY,
+    "tests/slurm/up.sh && ./run.sh test tests/test_slurm.py; tests/slurm/down.sh":
+        "it starts a Slurm cluster as root (.ci/run does, after the suite)",
+    "./run.sh test tests/test_lr.py -k aggregation": "it runs part of this suite",
+    ".ci/min-versions": "it installs the declared minimum versions into .venv-min",
+    ".venv/bin/python -m pytest -m gpu": "it runs the GPU tests, skipped without a GPU",
+}
+# What a real run must leave behind, beyond exit status 0 and no traceback.
+LEAVES = {
+    "snakemake results/lr/g5_summary.json": ["results/lr/g5_summary.json"],
+    "imgclf check-hydration --cluster g5 --restore": ["results/hydration/g5.train.tsv"],
+    "imgclf lr-find --cluster g5 --runs 3 --batch-size 32":
+        [f"results/lr/g5/run{i}.json" for i in range(3)],
+    "imgclf lr-summary --cluster g5": ["results/lr/g5.png"],
+    **{c: [f"results/memory/{e}.json" for e in ("g5", "p3", "p4")] for c in HOW
+       if c.startswith("for c in")},
+}
 # A cheaper loader grid and LR range test in the copy's config: the commands stay as typed.
-REDUCED = {"loader": {"decoders": ["pil"], "workers": [0, 1], "seconds_per_config": 0.3,
-                      "windows": 2, "measure_baseline": False},
+REDUCED = {"loader": {"decoders": ["pil"], "workers": [0], "prefetch_factors": [2],
+                      "batch_size": 16, "seconds_per_config": 0.3, "windows": 2,
+                      "warmup_batches": 1, "measure_baseline": False},
            "lr_finder": {"num_iter": 30, "skip_start": 3, "skip_end": 2}}
+DOCUMENTS = ("README.md", "config/README.md", "docs/*.md")
+
+
+def documents() -> list[Path]:
+    return [p for pattern in DOCUMENTS for p in sorted(REPO.glob(pattern))]
+
+
+def blocks(language: str) -> list[str]:
+    """The code blocks in `language` of every document, in order."""
+    return [b for doc in documents()
+            for b in re.findall(rf"^```{language}\n(.*?)^```", doc.read_text(), re.S | re.M)]
+
+
+def block_commands(block: str) -> list[str]:
+    """The commands of a bash block: each line without its comment; a `for` loop, to its
+    `done`, is one command (its lines stripped)."""
+    found, loop = [], []
+    for line in block.splitlines():
+        text = re.sub(r"(^|\s)#.*$", "", line).strip()
+        if not text:
+            continue
+        if loop or text.startswith("for "):
+            loop.append(text)
+            if text == "done":
+                found.append("\n".join(loop))
+                loop = []
+        else:
+            found.append(text)
+    return found
 
 
 def usage_commands() -> list[str]:
-    """The commands of the README's first two code blocks under "Everyday use"."""
-    section = (REPO / "README.md").read_text().split("## Everyday use", 1)[1]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)[:2]
-    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()
-            if line.strip() and not line.startswith("#")]
+    """Every command of the documents' bash blocks, in document order."""
+    return [c for b in blocks("bash") for c in block_commands(b)]
+
+
+def documented_files() -> dict[str, str]:
+    """Config files the documents show: {name: YAML text}."""
+    files = {}
+    for block in blocks("yaml"):
+        first, _, rest = block.partition("\n")
+        if re.fullmatch(r"# \S+\.yaml", first.strip()):
+            files[first.strip()[2:]] = rest
+    for block in blocks("bash"):
+        for m in re.finditer(r"^# (\S+\.yaml): (.*\n(?:#\s+\S.*\n)*)", block, re.M):
+            files[m.group(1)] = "\n".join(ln.lstrip("#").strip() for ln in m.group(2).split("\n"))
+    return files
 
 
 def run(work: Path, command: str, *extra: str, timeout: float = 900):
-    argv = shlex.split(command)
-    argv[0] = str(BIN / argv[0])  # the environment's snakemake / imgclf, as after `activate`
-    return subprocess.run([*argv, *extra], cwd=work, capture_output=True, text=True,
-                          timeout=timeout)
+    """`command` through bash in `work`, with the environment's bin first on PATH (as after
+    `source .venv/bin/activate`); `extra` words appended. The package is the copy's own, as in
+    a checkout (the editable install): `imgclf` then reads the copy's config/config.yaml."""
+    line = " ".join([command, *map(shlex.quote, extra)])
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(work / "src"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(["bash", "-c", line], cwd=work, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def with_demo_data(text: str, demo: Path) -> str:
+    """A documented config file with the demo data set in place of the user's."""
+    cfg = yaml.safe_load(text)
+    if "dataset" in cfg:
+        cfg["dataset"] = {"root": str(demo), "expected_train": 1438, "expected_val": 359,
+                          "expected_classes": 10}
+    return yaml.safe_dump(cfg)
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, demo_root) -> Path:
     work = copy_workflow(tmp_path_factory.mktemp("commands") / "wf")
-    shutil.copytree(demo_root, work / "results" / "demo" / "digits")
+    demo = work / "results" / "demo" / "digits"
+    shutil.copytree(demo_root, demo)
     cfg = work / "config" / "config.yaml"
     cfg.write_text(yaml.safe_dump({**yaml.safe_load(cfg.read_text()), **REDUCED},
                                   sort_keys=False))
+    for name, text in documented_files().items():
+        (work / name).write_text(with_demo_data(text, demo))
     return work
 
 
-def test_the_readme_lists_the_commands_this_file_runs():
-    assert usage_commands() == [
-        "snakemake --profile profiles/g5 train",
-        "snakemake results/lr/g5_summary.json",
-        "snakemake --profile profiles/slurm train",
-        "snakemake --cores all results/memory/p4.json",
-        "snakemake --report results/report.html",
-        "imgclf check-hydration --cluster g5 --restore",
-        "imgclf lr-find --cluster g5 --runs 3 --batch-size 32",
-        "imgclf lr-summary --cluster g5",
-        "imgclf provenance results/lr/g5_summary.json",
-    ]
+@pytest.fixture(scope="module")
+def real_runs(work):
+    """The real runs in document order, each run once, when a test first needs it or a later
+    one (a command may read what an earlier one wrote, as in the README)."""
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def result(command: str) -> subprocess.CompletedProcess:
+        for c in dict.fromkeys(usage_commands()):
+            if HOW.get(c) == REAL and c not in done:
+                done[c] = run(work, c)
+            if c == command:
+                return done[c]
+        raise KeyError(command)
+
+    return result
 
 
-def test_g5_train_runs_every_stage_it_can_then_says_what_is_missing(work):
-    command = usage_commands()[0]
-    res = run(work, command)
+def test_every_documented_command_says_how_it_runs_here():
+    documented = set(usage_commands())  # a command may be shown in more than one place
+    assert documented == set(HOW), (
+        f"without a line in HOW: {sorted(documented - set(HOW))}; "
+        f"in HOW but in no document: {sorted(set(HOW) - documented)}")
+
+
+def test_targets_come_before_options_that_take_every_following_word():
+    """Snakemake's --configfile and --config take every word after them: a target written
+    after one of them is read as a config file or value."""
+    for command in usage_commands():
+        words = shlex.split(command) if "\n" not in command else []
+        for i, word in enumerate(words):
+            if word in ("--configfile", "--config"):
+                after = words[i + 1:]
+                taken = after[:next((j for j, w in enumerate(after) if w.startswith("-")),
+                                    len(after))]
+                form = ".yaml" if word == "--configfile" else "="
+                assert all(form in w for w in taken), (command, taken)
+
+
+def test_every_config_file_a_command_names_is_documented():
+    named = {m for c in usage_commands() for m in re.findall(r"--configfile (\S+)", c)}
+    assert named and named <= set(documented_files()), (named, sorted(documented_files()))
+    for text in documented_files().values():
+        assert isinstance(yaml.safe_load(text), dict)
+
+
+def planned_target(command: str) -> str:
+    """What a dry run of `command` must plan: the rule of its target, or evaluation (`all`)."""
+    words = shlex.split(command)[1:]
+    target = words[0] if words and not words[0].startswith("-") else "all"
+    return {"train": "train_model", "all": "evaluate"}.get(target, target)
+
+
+@pytest.mark.parametrize("command", [c for c, how in HOW.items() if how == DRY])
+def test_dry_run_as_typed(command, work):
+    res = run(work, command, "-n")
     out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
     assert "Traceback" not in out
-    for done in ("results/hydration/g5.json", "results/loader/g5.json",
-                 "results/memory/g5.json", "results/lr/g5_summary.json"):
-        assert (work / done).is_file(), (done, out[-3000:])
-    if torch.cuda.device_count() >= 4:
-        pytest.skip("this machine has the GPUs of a g5 node: it would train for hours")
-    assert res.returncode != 0
-    sentence = next(line for line in out.splitlines() if "Cluster 'g5'" in line)
-    assert "profiles/slurm" in sentence and "g5 node" in sentence
+    assert planned_target(command) in res.stdout, res.stdout[-3000:]
 
 
-@pytest.mark.parametrize("cluster", ["g5", "p3", "p4"])
-def test_lr_summary_of_every_gpu_entry_as_typed(work, cluster):
-    """The demo's 1.4 kB JPEGs pass the hydration check of every entry (per-file latency, not
-    the 200 MB/s bandwidth floor of a hydrated FSx volume, judges files that small)."""
-    command = usage_commands()[1].replace("g5", cluster)
-    res = run(work, command)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    assert (work / f"results/lr/{cluster}_summary.json").is_file()
-
-
-def test_any_artifact_by_its_path(work):
-    res = run(work, usage_commands()[3])
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    assert (work / "results/memory/p4.json").is_file()
-
-
-def test_slurm_command_plans_as_typed(work):
-    res = run(work, usage_commands()[2], "--dry-run")
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    assert "train_model" in res.stdout
-
-
-def test_imgclf_commands_as_typed(work):
-    """After the g5 LR stage above: the CLI's commands from the same block."""
-    for command in usage_commands()[5:]:
-        res = run(work, command)
-        assert res.returncode == 0, (command, (res.stdout + res.stderr)[-3000:])
-        assert "Traceback" not in res.stderr
+@pytest.mark.parametrize("command", [c for c, how in HOW.items() if how == REAL],
+                         ids=lambda command: command.replace("\n", "; "))
+def test_real_run_as_typed(command, work, real_runs):
+    res = real_runs(command)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, (command, out[-3000:])
+    assert "Traceback" not in out
+    for path in LEAVES.get(command, []):
+        assert (work / path).is_file(), (command, path)

@@ -114,7 +114,7 @@ def check_hardware(cluster: dict, precision: str) -> None:
             raise UserError(f"Cluster {name!r} trains on {n} GPU(s) per node but this machine has "
                             f"no usable CUDA GPU (every stage before training is done): run the "
                             f"same command on a {name} node, or submit it with "
-                            f"`snakemake --profile profiles/slurm train --config cluster={name}`.")
+                            f"`snakemake train --profile profiles/slurm --config cluster={name}`.")
         if not devices.started_by_srun() and torch.cuda.device_count() < n:
             raise UserError(f"Cluster {name!r} asks for {n} GPUs per node but this machine shows "
                             f"{torch.cuda.device_count()}: fix `clusters.{name}.gpus_per_node`.")
