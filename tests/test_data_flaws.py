@@ -178,3 +178,61 @@ def test_file_broken_after_the_check_stops_training_then_resumes(workflow_copy, 
     s = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
     assert s["resumed_from"] is not None and s["completed"] and s["attempts"] == 2
     assert s["left_out_after_check"] == [named] and s["train_images"] == 1437
+
+
+# --- what arrives beside the data ---------------------------------------------------------------
+
+# what a Mac writes beside a file: an AppleDouble header ("Mac OS X" entries), no image
+APPLE_DOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + b"\x00" * 4066
+
+
+def put(folder: Path, name: bytes, content: bytes) -> str:
+    """Write `content` to the file `name` (any bytes) in `folder`; its path as Python names it."""
+    path = os.path.join(os.fsencode(folder), name)
+    with open(path, "wb") as f:
+        f.write(content)
+    return os.fsdecode(path)
+
+
+def excluded_list(path: Path) -> dict[str, str]:
+    """The excluded list as {path: reason}, every line checked to hold one file."""
+    rows = path.read_text(encoding="utf-8").split("\n")
+    assert rows[0].startswith("# file\treason") and rows[-1] == ""
+    assert all(row.count("\t") == 1 for row in rows[1:-1]), rows
+    return dict(row.split("\t") for row in rows[1:-1])
+
+
+def mac_copy(root: Path, classes=("0", "1")) -> list[str]:
+    """What copying the data set from a Mac leaves: an AppleDouble `._NAME` beside every image
+    of `classes` in train/, `.DS_Store` files, and a zip archive's `__MACOSX/` folder."""
+    made = []
+    for cls in classes:
+        folder = root / "train" / cls
+        made += [put(folder, b"._" + os.fsencode(p.name), APPLE_DOUBLE)
+                 for p in sorted(folder.iterdir())]
+    made += [put(root / "train", b".DS_Store", b"\x00\x00\x00\x01Bud1"),
+             put(root / "val" / "3", b".DS_Store", b"\x00\x00\x00\x01Bud1")]
+    macosx = root / "train" / "__MACOSX" / "0"
+    macosx.mkdir(parents=True)
+    put(macosx, b"._0_0.jpg", APPLE_DOUBLE)
+    return made + [str(macosx.parent)]
+
+
+def test_a_copy_from_a_mac_passes_the_check_with_its_metadata_listed(workflow_copy, demo_root,
+                                                                    tmp_path):
+    """The check refused such a copy ("289 of 2111 image files (13.7 %) are unusable"): with
+    the default settings it passes, lists every metadata file with its reason, counts none as
+    an image or a class, and indexes exactly the images."""
+    root = flawed_copy(demo_root, tmp_path / "from_a_mac")
+    metadata = mac_copy(root)
+    res, out = run(workflow_copy, tmp_path, root, CHECK)
+    assert res.returncode == 0, out[-3000:]
+    report = json.loads((workflow_copy / CHECK).read_text())
+    assert report["verdict"] == "pass" and report["bad_files"]["count"] == 0
+    assert report["hidden"]["count"] == len(metadata) > 280
+    train = report["census"]["splits"]["train"]
+    assert (train["files"], train["classes"]) == (1438, 10)
+    excluded = excluded_list(workflow_copy / "results/hydration/local.excluded.txt")
+    assert sorted(excluded) == sorted(metadata)
+    assert all(why.startswith("ignored: ") for why in excluded.values())
+    assert "AppleDouble" in excluded[metadata[0]] and "not read" in excluded[metadata[-1]]

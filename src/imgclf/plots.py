@@ -50,7 +50,8 @@ def _census_bars(ax, report: dict) -> None:
     checked = (report.get("integrity") or {}).get("checked", 0)
     ax.set_title(f"census: {checked:,} decoded; {bad['count']} unusable "
                  f"({', '.join(f'{n} {k}' for k, n in bad['by_reason'].items()) or 'none'}), "
-                 f"{report['excluded']} excluded; {report['not_images']['count']} not images",
+                 f"{report['excluded']} excluded; {report['not_images']['count']} not images, "
+                 f"{report['hidden']['count']} hidden or metadata",
                  fontsize=9)
 
 

@@ -2,19 +2,20 @@
 
 In order, so that nothing reads a file before Lustre has said whether it is released (reading
 a released file is what starts its slow restore from S3):
-  1. census (census.py): every file with one `stat`; images per class, files that are not
-     images (listed, ignored), zero-byte and unreadable files, empty class folders, classes
-     present in one split only;
+  1. census (census.py): every file with one `stat`; images per class, hidden and metadata
+     files and folders (`._NAME`, `.DS_Store`, `__MACOSX/`, `Thumbs.db`: listed, ignored,
+     never walked into), files that are not images (listed, ignored), zero-byte and
+     unreadable files, empty class folders, classes present in one split only;
   2. Lustre HSM state of every image (storage.py), restored on request;
   3. every image decoded in full, in parallel (integrity.py);
   4. per-file latency and bandwidth on a sample (storage.py).
-Unusable files are excluded (listed with the reason in `{cluster}.excluded.txt`) or fail the
-check (`hydration.on_bad_files`, `hydration.max_bad_fraction`). On a pass the check writes the
-file index every later stage builds its data set from (imgclf.index), so no stage walks the
-tree again and none opens an excluded file. On a failure it writes its findings beside the
-outputs (`{cluster}.findings.json`, which Snakemake does not delete) and stops with one
-sentence that names the file or folder, the key or command that resolves it, and the
-findings."""
+Unusable files are excluded (listed with the reason in `{cluster}.excluded.txt`, with the
+ignored ones) or fail the check (`hydration.on_bad_files`, `hydration.max_bad_fraction`). On a
+pass the check writes the file index every later stage builds its data set from
+(imgclf.index), so no stage walks the tree again and none opens an excluded file. On a
+failure it writes its findings beside the outputs (`{cluster}.findings.json`, which Snakemake
+does not delete) and stops with one sentence that names the file or folder, the key or
+command that resolves it, and the findings."""
 
 from __future__ import annotations
 
@@ -58,11 +59,22 @@ def bad_files_block(cen: census_.Census, params: dict) -> dict:
         reasons[key] = reasons.get(key, 0) + 1
     fraction = n / total if total else 0.0
     block = {"count": n, "of_images": total, "fraction": fraction, "by_reason": reasons,
-             "examples": [{"file": p, "reason": r} for p, r in sorted(cen.bad.items())[:20]],
+             "examples": listed(sorted(cen.bad.items())),
              "policy": params["on_bad_files"], "max_fraction": params["max_bad_fraction"]}
     block["fails"] = bool(n) and (params["on_bad_files"] == "fail"
                                   or fraction > params["max_bad_fraction"])
     return block
+
+
+def listed(rows, limit: int = 20) -> list[dict]:
+    """The first `limit` (path, reason) rows, as the report lists them."""
+    return [{"file": p, "reason": r} for p, r in rows[:limit]]
+
+
+def ignored_block(rows: list) -> dict:
+    """Files and folders the check ignores (not images, hidden, metadata): how many, the first
+    few."""
+    return {"count": len(rows), "examples": listed(rows)}
 
 
 def inspect(root: Path, params: dict, floor_mb_s: float, cluster: str):
@@ -95,8 +107,8 @@ def judge(report: dict, cen: census_.Census, params: dict, floor_mb_s: float) ->
     """Add the census, the bad files, the verdict and its reasons (most important first)."""
     report["census"] = cen.summary()
     report["bad_files"] = bad_files_block(cen, params)
-    report["not_images"] = {"count": len(cen.not_images),
-                            "examples": [{"file": p, "reason": r} for p, r in cen.not_images[:20]]}
+    report["not_images"] = ignored_block(cen.not_images)
+    report["hidden"] = ignored_block(cen.hidden)
     report["excluded"] = 0 if report["bad_files"]["fails"] else report["bad_files"]["count"]
     hsm, reasons = report["hsm"], []
     if hsm and hsm["released"]:
@@ -140,8 +152,9 @@ def failure_sentence(report: dict, params: dict, findings) -> str:
 
 
 def write_excluded(path, cen: census_.Census) -> None:
-    """Every file no later stage opens, with the reason: unusable images and non-images."""
-    rows = sorted(cen.bad.items()) + sorted(cen.not_images)
+    """Every file no later stage opens, with the reason: unusable images, files that are not
+    images, hidden and metadata files and folders."""
+    rows = sorted(cen.bad.items()) + sorted(cen.not_images) + sorted(cen.hidden)
     with atomic_path(path) as tmp, open(tmp, "w") as f:
         f.write("# file\treason\n")
         f.writelines(f"{p}\t{why}\n" for p, why in rows)

@@ -1,5 +1,6 @@
 """The census: every file of train/ and val/ with one `stat` each, sorted into images per class,
-files that are not images, zero-byte and unreadable files, and folder problems.
+hidden and metadata entries, files that are not images, zero-byte and unreadable files, and
+folder problems.
 
 Nothing here reads file contents: on Lustre, reading a released file is what triggers its slow
 restore from S3, so the census (and the HSM query after it) must come first."""
@@ -15,6 +16,15 @@ from imgclf.progress import progress
 SPLITS = ("train", "val")
 # the suffixes torchvision's ImageFolder takes as images
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# What operating systems and tools leave beside the data, by name (lower case), whatever the
+# suffix: a data set copied from a Mac has an AppleDouble `._NAME.jpg` beside every image, which
+# is no image and must count neither as a bad image nor as a class.
+METADATA_NAMES = {
+    ".ds_store": "macOS folder settings",
+    "__macosx": "macOS metadata folder of a zip archive",
+    "thumbs.db": "Windows thumbnail cache",
+    "desktop.ini": "Windows folder settings",
+}
 
 
 @dataclass
@@ -24,6 +34,7 @@ class Census:
 
     root: str
     files: dict = field(default_factory=lambda: {s: {} for s in SPLITS})
+    hidden: list = field(default_factory=list)          # (path, reason): listed, not walked
     not_images: list = field(default_factory=list)      # (path, reason): listed, ignored
     bad: dict = field(default_factory=dict)              # path -> reason: zero-byte, unreadable
     folder_problems: list = field(default_factory=list)  # sentences naming a folder
@@ -67,16 +78,42 @@ class Census:
                 "bytes": sum(c["bytes"] for c in per_class.values()),
                 "classes": len(per_class), "per_class": per_class}
         out["not_images"] = len(self.not_images)
+        out["hidden"] = len(self.hidden)
         return out
 
 
-def _walk(folder: str, prefix: str = ""):
-    """(name relative to `folder`, DirEntry) of every file below it, depth first, sorted."""
+def hidden_reason(name: str, is_dir: bool) -> str | None:
+    """Why a file or folder named `name` is hidden or metadata, or None when it is neither."""
+    why = METADATA_NAMES.get(name.lower())
+    if why is None and name.startswith("._"):
+        why = "macOS metadata (AppleDouble) file"
+    elif why is None and name.startswith("."):
+        why = "hidden (the name starts with '.')"
+    if why is None:
+        return None
+    return f"ignored: {why}{', folder not read' if is_dir else ''}"
+
+
+def _visible(census: Census, folder: str) -> list:
+    """The entries of `folder`, sorted, less hidden and metadata ones (listed in the census)."""
     with os.scandir(folder) as it:
         entries = sorted(it, key=lambda e: e.name)
+    shown = []
     for e in entries:
+        why = hidden_reason(e.name, e.is_dir())
+        if why:
+            census.hidden.append((e.path, why))
+        else:
+            shown.append(e)
+    return shown
+
+
+def _walk(census: Census, folder: str, prefix: str = ""):
+    """(name relative to `folder`, DirEntry) of every visible file below it, depth first,
+    sorted."""
+    for e in _visible(census, folder):
         if e.is_dir():
-            yield from _walk(e.path, f"{prefix}{e.name}/")
+            yield from _walk(census, e.path, f"{prefix}{e.name}/")
         else:
             yield f"{prefix}{e.name}", e
 
@@ -109,15 +146,14 @@ def walk(root: str) -> Census:
                 f"{base} does not exist (`dataset.root` must hold train/<class>/ and "
                 f"val/<class>/)")
             continue
-        with os.scandir(base) as it:
-            top = sorted(it, key=lambda e: e.name)
+        top = _visible(census, base)
         for e in top:
             if not e.is_dir():
                 census.not_images.append((e.path, "not in a class folder"))
         classes = [e for e in top if e.is_dir()]
         for e in progress(classes, desc=f"census {split}", unit="class"):
             census.files[split][e.name] = []
-            for name, entry in _walk(e.path):
+            for name, entry in _walk(census, e.path):
                 take(census, split, e.name, name, entry)
     return census
 
