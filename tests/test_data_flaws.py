@@ -10,11 +10,14 @@ import os
 import shutil
 import subprocess
 import time
+import unicodedata
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from conftest import SNAKEMAKE, snakemake
+from imgclf import data, hydration, index, recipes, settings
 
 CHECK = "results/hydration/local.json"
 # a short but complete run: every training image is read in the one epoch
@@ -199,7 +202,7 @@ def excluded_list(path: Path) -> dict[str, str]:
     rows = path.read_text(encoding="utf-8").split("\n")
     assert rows[0].startswith("# file\treason") and rows[-1] == ""
     assert all(row.count("\t") == 1 for row in rows[1:-1]), rows
-    return dict(row.split("\t") for row in rows[1:-1])
+    return dict(tuple(index.unescape(field) for field in row.split("\t")) for row in rows[1:-1])
 
 
 def mac_copy(root: Path, classes=("0", "1")) -> list[str]:
@@ -236,3 +239,94 @@ def test_a_copy_from_a_mac_passes_the_check_with_its_metadata_listed(workflow_co
     assert sorted(excluded) == sorted(metadata)
     assert all(why.startswith("ignored: ") for why in excluded.values())
     assert "AppleDouble" in excluded[metadata[0]] and "not read" in excluded[metadata[-1]]
+
+
+# The nastiest names a Linux file system holds, as bytes: a tab, line breaks (which break a list
+# of one name per line), backslashes and text that looks like an escape, percent signs, bytes
+# that are not UTF-8, spaces at either end, leading dashes, the same name in NFC and in NFD, an
+# emoji sequence, Unicode's own line separator, parentheses, and the longest name (255 bytes).
+NASTY_NAMES = [
+    b"tab\there.jpg", b"new\nline.jpg", b"carriage\rreturn.jpg", b"back\\slash.jpg",
+    b"literal \\t and \\x41 and \\\\.jpg", b"100% 50%25 %s%n.jpg", b"not utf-8 \xff\xfe\xc3.jpg",
+    b" leading space.jpg", b"trailing space .jpg", b"-rf.jpg", b"--help.jpg",
+    unicodedata.normalize("NFC", "caf\u00e9.jpg").encode(),
+    unicodedata.normalize("NFD", "caf\u00e9.jpg").encode(),
+    "ninja cat \U0001F431\u200d\U0001F464.jpg".encode(), "line\u2028separator.jpg".encode(),
+    b"photo (1) (Note: x).jpg", b"a" * 251 + b".jpg",
+]
+
+
+def small_jpeg(colour=(200, 30, 30), size=(8, 8)) -> bytes:
+    from io import BytesIO
+
+    buf = BytesIO()
+    Image.new("RGB", size, colour).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def check_params(**overrides) -> dict:
+    """The hydration section with the schema's defaults, for a check run in this process."""
+    return {**settings.validate({}, "hydration"), "verify_workers": 1, **overrides}
+
+
+def run_check(root: Path, out: Path, **overrides) -> dict:
+    out.mkdir()
+    return hydration.run_stage(
+        root, check_params(**overrides), 0.0, "local", out / "c.json", out / "c.verdict.json",
+        out / "c.png", out / "c.excluded.txt", {s: out / f"c.{s}.tsv" for s in ("train", "val")})
+
+
+def indexed(path: Path) -> list[str]:
+    idx = index.read(path)
+    return [idx.file(i) for i in range(len(idx))]
+
+
+def test_every_name_the_file_system_holds_is_indexed_listed_and_decoded(tmp_path):
+    """Every nasty name goes through the check, into the index and back out as the same file,
+    through both decode paths; a broken file and a non-image with nasty names are listed, one
+    line each, and named in the report."""
+    root = tmp_path / "data"
+    nasty = {}
+    for split in ("train", "val"):
+        for cls, colour in (("a", (200, 30, 30)), ("b", (30, 30, 200))):
+            (root / split / cls).mkdir(parents=True)
+            put(root / split / cls, b"plain.jpg", small_jpeg(colour))
+        nasty[split] = [put(root / split / "a", n, small_jpeg()) for n in NASTY_NAMES]
+    empty = put(root / "train" / "b", b"empty\n\xff\t.jpg", b"")
+    notes = put(root / "train" / "b", b"notes\r\n\x85.txt", b"labelled by the intern\n")
+    report = run_check(root, tmp_path / "out", max_bad_fraction=0.5)
+
+    assert report["verdict"] == "pass"
+    for split in ("train", "val"):
+        files = indexed(tmp_path / "out" / f"c.{split}.tsv")
+        assert sorted(os.fsencode(f) for f in files) == sorted(
+            os.fsencode(f) for f in nasty[split] + [str(root / split / c / "plain.jpg")
+                                                     for c in "ab"])
+        assert len({unicodedata.normalize("NFC", f) for f in files}) == len(files) - 1
+    excluded = excluded_list(tmp_path / "out" / "c.excluded.txt")
+    assert excluded[empty] == "zero bytes" and excluded[notes].startswith("not an image")
+    written = json.loads((tmp_path / "out" / "c.json").read_text())
+    assert written["bad_files"]["examples"] == [{"file": index.escape(empty),
+                                                 "reason": "zero bytes"}]
+    for decoder in data.DECODERS:
+        ds = data.train_dataset(str(tmp_path / "out" / "c.train.tsv"), decoder, 8,
+                                recipes.get("demo"))
+        assert len(ds) == len(NASTY_NAMES) + 2
+        assert all(ds[i][0].shape == (3, 8, 8) for i in range(len(ds)))
+
+
+def test_a_file_broken_after_the_check_is_named_whole_and_left_out(tmp_path):
+    """Training reads the file and the reason back out of the error's own line (a loader
+    worker's error arrives as text, under its traceback) and lists the file for the next run:
+    a name with parentheses, a colon and a newline survives both."""
+    path = str(tmp_path / "photo (1) (Note: x)\n.jpg")
+    err = data.BadImageError.of(path, OSError("image file is truncated (3 bytes not processed)"))
+    from_worker = data.BadImageError(f"Caught BadImageError in DataLoader worker process 0.\n"
+                                     f"Original Traceback (most recent call last):\n"
+                                     f"imgclf.data.BadImageError: {err}\n")
+    shown, reason = data.BadImageError.file_and_reason(from_worker)
+    assert "\n" not in shown and index.unescape(shown) == path
+    assert reason == "OSError: image file is truncated [3 bytes not processed]"
+    bad_list = tmp_path / index.BAD_FILES
+    index.add_bad_file(bad_list, shown)
+    assert index.read_bad_files(bad_list) == {path}

@@ -23,10 +23,14 @@ MEAN_FILL = tuple(round(255 * m) for m in MEAN)  # uint8 fill of geometric augme
 
 
 def read_tensor_image(path: str) -> torch.Tensor:
-    """Decode a file to a uint8 CHW RGB tensor (JPEG through libjpeg-turbo)."""
-    from torchvision.io import ImageReadMode, decode_image, read_file
+    """Decode a file to a uint8 CHW RGB tensor (JPEG through libjpeg-turbo). Read in Python,
+    which opens any name the file system holds (torchvision's `read_file` takes the path as
+    UTF-8, which a name that is not cannot be)."""
+    from torchvision.io import ImageReadMode, decode_image
 
-    return decode_image(read_file(path), mode=ImageReadMode.RGB)
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
+    return decode_image(torch.frombuffer(raw, dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 
 def _pixels(decoder: str) -> list:
@@ -93,9 +97,18 @@ def val_transform(decoder: str, resolution: int, recipe=None):
 
 
 class BadImageError(UserError):
-    """An indexed image that no longer decodes: changed or broken after the hydration check."""
+    """An indexed image that no longer decodes: changed or broken after the hydration check.
+    One line, `Cannot decode image PATH (REASON)`: PATH escaped as in the file index (no line
+    break in it) and REASON without parentheses, so the last " (" ends PATH whatever it holds."""
 
     PREFIX = "Cannot decode image "
+
+    @classmethod
+    def of(cls, path: str, err: Exception) -> "BadImageError":
+        """The error for the file at `path`, which its decoder failed on with `err`."""
+        text = str(err).splitlines()[0] if str(err) else ""
+        reason = f"{type(err).__name__}: {text}".translate(str.maketrans("()", "[]"))
+        return cls(f"{cls.PREFIX}{index.escape(path)} ({reason})")
 
     @classmethod
     def own_line(cls, err: Exception) -> str:
@@ -103,6 +116,12 @@ class BadImageError(UserError):
         error is re-raised with (the worker's traceback, with this line in it)."""
         line = next(ln for ln in str(err).splitlines() if cls.PREFIX in ln)
         return line[line.index(cls.PREFIX):]
+
+    @classmethod
+    def file_and_reason(cls, err: Exception) -> tuple[str, str]:
+        """(PATH as escaped, REASON) of the error's own line."""
+        shown, _, reason = cls.own_line(err)[len(cls.PREFIX):].rpartition(" (")
+        return shown, reason.removesuffix(")")
 
 
 class IndexedImages(torch.utils.data.Dataset):
@@ -125,8 +144,7 @@ class IndexedImages(torch.utils.data.Dataset):
         try:
             image = self.decode(path)
         except (OSError, RuntimeError, ValueError, SyntaxError) as e:
-            raise BadImageError(f"{BadImageError.PREFIX}{path} ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise BadImageError.of(path, e) from None
         return self.transform(image), int(self.targets[i])
 
 
@@ -139,7 +157,7 @@ def split_index(source, split: str) -> index.Index:
 
     cen = walk(str(source))
     classes = cen.classes(split)
-    lines = [f"{c}/{n}\t{s}" for c in classes for n, s in sorted(cen.files[split][c])]
+    lines = [index.file_line(c, n, s) for c in classes for n, s in sorted(cen.files[split][c])]
     return index.Index.from_lines(source, source, split, classes,
                                   [len(cen.files[split][c]) for c in classes], lines)
 

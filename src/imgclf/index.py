@@ -1,33 +1,81 @@
-"""The file index of a data set: the files of one split that the hydration check found usable.
+r"""The file index of a data set: the files of one split that the hydration check found usable.
 
 Written once by the check (results/hydration/{cluster}.{split}.tsv), read by every later stage
 to build its data set, so no stage walks the tree again: on Lustre a walk of ImageNet's 1.33 M
 files costs minutes of metadata calls, in every LR-finder run, every DDP rank and evaluation.
 A file the check excluded is not in the index, so no later stage ever opens it.
 
-Format: a JSON header line (format, root, split, classes, files per class), then one line per
-file, `class/name<TAB>size`, grouped by class in class order. Reading it is one read and one
-split: the line of a sample becomes a path only when the sample is loaded."""
+Format (`imgclf-index-2`): a JSON header line (format, root, split, classes, files per class),
+then one line per file, `class/name<TAB>size`, grouped by class in class order.
+Reading it is one read and one split: the line of a sample becomes a path only when the sample
+is loaded.
+
+Names: a file name may hold any byte but `/` and NUL, and need not be UTF-8. A name is written
+as its bytes read as UTF-8, with two escapes (`escape`): a backslash is written `\\`, and
+`\xHH` stands for the byte HH where the byte is not part of valid UTF-8 or is part of a
+character that ends or breaks a line for some reader (the ASCII controls 0x00-0x1F and 0x7F,
+tab, newline and carriage return among them, and U+0085, U+2028, U+2029). Every other character
+stands for itself, so ordinary names read as they are, and a line is always one file. The same
+escaped form names a file everywhere the pipeline writes one (the excluded list, the check's
+report and findings, `bad_files.txt`, sentences and log lines). In Python, a name is the str
+that `os.scandir` gives on Linux: the bytes decoded as UTF-8 with surrogate escapes."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from imgclf.errors import UserError
 from imgclf.provenance import atomic_path
 
-FORMAT = "imgclf-index-1"
+FORMAT = "imgclf-index-2"
 SPLITS = ("train", "val")
-# Images found broken during training (changed after the check), one path a line, in the
+# Images found broken during training (changed after the check), one escaped path a line, in the
 # training's folder: left out of every later attempt and of evaluation, so the next run resumes
 # instead of failing on the same file again.
 BAD_FILES = "bad_files.txt"
 
 
+# what `escape` writes as \xHH: surrogate escapes (bytes that are not valid UTF-8), the ASCII
+# controls, and the characters that some readers take for a line break
+_UNSAFE = re.compile("[\\\\\x00-\x1f\x7f\x85\u2028\u2029\udc80-\udcff]")
+_ESCAPED = re.compile(rb"\\(\\|x[0-9a-f]{2})")
+
+
+def _escape_one(match) -> str:
+    char = match.group()
+    if char == "\\":
+        return "\\\\"
+    return "".join(f"\\x{b:02x}" for b in char.encode("utf-8", "surrogateescape"))
+
+
+def escape(name: str) -> str:
+    """A file name (or path) as one line of UTF-8 text; `unescape` gives it back."""
+    return _UNSAFE.sub(_escape_one, name)
+
+
+def _unescape_one(match) -> bytes:
+    code = match.group(1)
+    return b"\\" if code == b"\\" else bytes([int(code[1:], 16)])
+
+
+def unescape(text: str) -> str:
+    """The name `escape` wrote as `text`."""
+    if "\\" not in text:
+        return text
+    raw = _ESCAPED.sub(_unescape_one, text.encode("utf-8", "surrogateescape"))
+    return raw.decode("utf-8", "surrogateescape")
+
+
 def index_path(cluster: str, split: str) -> str:
     return f"results/hydration/{cluster}.{split}.tsv"
+
+
+def file_line(cls: str, name: str, size: int) -> str:
+    """The line of one file, without its newline."""
+    return f"{escape(f'{cls}/{name}')}\t{size}"
 
 
 def write(path, root: str, split: str, classes: list[str], files: dict[str, list]) -> None:
@@ -35,10 +83,10 @@ def write(path, root: str, split: str, classes: list[str], files: dict[str, list
     counts = [len(files.get(c, ())) for c in classes]
     header = {"format": FORMAT, "root": str(root), "split": split, "classes": classes,
               "counts": counts}
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps(header) + "\n")
         for c in classes:
-            f.writelines(f"{c}/{name}\t{size}\n" for name, size in sorted(files.get(c, ())))
+            f.writelines(f"{file_line(c, n, size)}\n" for n, size in sorted(files.get(c, ())))
 
 
 @dataclass
@@ -57,6 +105,7 @@ class Index:
 
     @classmethod
     def from_lines(cls, path, root, split, classes, counts, lines: list[str]) -> "Index":
+        """From `file_line` lines."""
         import numpy as np
 
         body = "".join(f"{line}\n" for line in lines).encode()
@@ -70,7 +119,7 @@ class Index:
         return self.body[self.starts[i]:self.starts[i + 1] - 1].decode()
 
     def file(self, i: int) -> str:
-        return os.path.join(self.root, self.split, self.line(i).rsplit("\t", 1)[0])
+        return os.path.join(self.root, self.split, unescape(self.line(i).rsplit("\t", 1)[0]))
 
     def targets(self):
         """The class of every file, in order (a NumPy array: 1.28 M Python ints cost more)."""
@@ -100,7 +149,8 @@ def read(path) -> Index:
         header = {}
     if header.get("format") != FORMAT:
         raise UserError(f"{path} is not a file index of this version: rerun the hydration check "
-                        f"(`snakemake --forcerun check_hydration`).")
+                        f"(`snakemake {str(path).rsplit('.', 2)[0]}.json --forcerun "
+                        f"check_hydration`).")
     starts = _line_starts(body, np)
     if len(starts) - 1 != sum(header["counts"]) or (body and not body.endswith(b"\n")):
         raise UserError(f"File index {path} is incomplete ({len(starts) - 1} of "
@@ -110,11 +160,19 @@ def read(path) -> Index:
 
 
 def read_bad_files(path) -> set[str]:
+    """The files listed in a `BAD_FILES` list."""
     try:
-        with open(path) as f:
-            return {line for line in f.read().splitlines() if line}
+        with open(path, encoding="utf-8") as f:
+            return {unescape(line) for line in f.read().split("\n") if line}
     except FileNotFoundError:
         return set()
+
+
+def add_bad_file(path, shown: str) -> None:
+    """Append a file, as `escape` shows it, to a `BAD_FILES` list (several ranks may append:
+    one short line each)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(shown + "\n")
 
 
 def without(index: Index, bad: set[str]) -> Index:

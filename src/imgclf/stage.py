@@ -14,7 +14,9 @@ def setup_logging(log_file: str | None = None, level=logging.INFO) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file, mode="w"))
+        # a message quoting a file name that is not UTF-8 is written, not lost to an error
+        handlers.append(logging.FileHandler(log_file, mode="w", encoding="utf-8",
+                                            errors="backslashreplace"))
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=handlers, force=True)
     for noisy in ("matplotlib", "PIL"):

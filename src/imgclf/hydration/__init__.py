@@ -10,9 +10,10 @@ a released file is what starts its slow restore from S3):
   3. every image decoded in full, in parallel (integrity.py);
   4. per-file latency and bandwidth on a sample (storage.py).
 Unusable files are excluded (listed with the reason in `{cluster}.excluded.txt`, with the
-ignored ones) or fail the check (`hydration.on_bad_files`, `hydration.max_bad_fraction`). On a
-pass the check writes the file index every later stage builds its data set from
-(imgclf.index), so no stage walks the tree again and none opens an excluded file. On a
+ignored ones) or fail the check (`hydration.on_bad_files`, `hydration.max_bad_fraction`).
+Every file is named in the escaped form of the file index (imgclf.index), whatever bytes its
+name holds. On a pass the check writes the file index every later stage builds its data set
+from (imgclf.index), so no stage walks the tree again and none opens an excluded file. On a
 failure it writes its findings beside the outputs (`{cluster}.findings.json`, which Snakemake
 does not delete) and stops with one sentence that names the file or folder, the key or
 command that resolves it, and the findings."""
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 from imgclf import index, plots
+from imgclf.index import escape
 from imgclf.errors import UserError
 from imgclf.hydration import census as census_
 from imgclf.hydration import integrity, storage
@@ -68,7 +70,7 @@ def bad_files_block(cen: census_.Census, params: dict) -> dict:
 
 def listed(rows, limit: int = 20) -> list[dict]:
     """The first `limit` (path, reason) rows, as the report lists them."""
-    return [{"file": p, "reason": r} for p, r in rows[:limit]]
+    return [{"file": escape(p), "reason": escape(r)} for p, r in rows[:limit]]
 
 
 def ignored_block(rows: list) -> dict:
@@ -115,7 +117,7 @@ def judge(report: dict, cen: census_.Census, params: dict, floor_mb_s: float) ->
         reasons.append(f"{hsm['released']} of {hsm['files']} files are released (still in S3)")
     reasons += report["folder_problems"]
     if not cen.images() and not report["folder_problems"]:
-        reasons.append(f"no image file under {report['root']}/train and val")
+        reasons.append(f"no image file under {escape(report['root'])}/train and val")
     if report["bad_files"]["fails"]:
         reasons.append(bad_files_reason(report["bad_files"]))
     reasons += check_expected(report["census"], params)
@@ -139,7 +141,7 @@ def bad_files_reason(b: dict) -> str:
 
 def failure_sentence(report: dict, params: dict, findings) -> str:
     """One sentence: what is wrong, the key or command that resolves it, where the rest is."""
-    hsm, root = report.get("hsm"), report["root"]
+    hsm, root = report.get("hsm"), escape(report["root"])
     if hsm and hsm["released"]:
         cmd = storage.restore_command(root, params["lfs_batch"], params["lfs_parallel"])
         return (f"Hydration check failed: {hsm['released']} of {hsm['files']} files under {root} "
@@ -155,9 +157,9 @@ def write_excluded(path, cen: census_.Census) -> None:
     """Every file no later stage opens, with the reason: unusable images, files that are not
     images, hidden and metadata files and folders."""
     rows = sorted(cen.bad.items()) + sorted(cen.not_images) + sorted(cen.hidden)
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
-        f.write("# file\treason\n")
-        f.writelines(f"{p}\t{why}\n" for p, why in rows)
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write("# file\treason (names escaped as in the file index)\n")
+        f.writelines(f"{escape(p)}\t{escape(why)}\n" for p, why in rows)
 
 
 def write_indexes(cen: census_.Census, paths: dict) -> None:

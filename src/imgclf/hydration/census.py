@@ -11,6 +11,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
+from imgclf.index import escape
 from imgclf.progress import progress
 
 SPLITS = ("train", "val")
@@ -166,13 +167,13 @@ def folder_problems(census: Census) -> list[str]:
     for split in SPLITS:
         for cls, entries in sorted(census.files[split].items()):
             if not entries:
-                problems.append(f"class folder {os.path.join(census.root, split, cls)} holds no "
-                                f"usable image")
+                folder = escape(os.path.join(census.root, split, cls))
+                problems.append(f"class folder {folder} holds no usable image")
     train, val = set(census.files["train"]), set(census.files["val"])
     for cls in sorted(train ^ val):
         have, lack = ("train", "val") if cls in train else ("val", "train")
-        problems.append(f"class {cls!r} is in {have}/ but not in {lack}/ "
-                        f"({os.path.join(census.root, lack, cls)} is missing)")
+        problems.append(f"class '{escape(cls)}' is in {have}/ but not in {lack}/ "
+                        f"({escape(os.path.join(census.root, lack, cls))} is missing)")
     return problems
 
 

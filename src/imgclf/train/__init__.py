@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from imgclf import devices, hardware, lr_validation, provenance, recipes, settings, slurm
 from imgclf.data import BadImageError
-from imgclf.index import BAD_FILES, read_bad_files
+from imgclf.index import BAD_FILES, add_bad_file, read_bad_files
 from imgclf.errors import UserError
 from imgclf.plan import LRSummary, Plan
 from imgclf.train import summary as after
@@ -55,11 +55,9 @@ def broken_file_sentence(err: BadImageError, bad_list: Path, out_dir: Path) -> s
     """Record the file a data loader could not decode; say so in one sentence. The error may
     come from a loader worker, whose re-raised message carries the worker's traceback: the
     file and the reason are read from its own line."""
-    detail = BadImageError.own_line(err)[len(BadImageError.PREFIX):]
-    path, _, why = detail.partition(" (")
-    with open(bad_list, "a") as f:  # several ranks may append: one short line each
-        f.write(path + "\n")
-    return (f"Training stopped: image {path} no longer decodes ({why.rstrip(')')}), although "
+    path, why = BadImageError.file_and_reason(err)
+    add_bad_file(bad_list, path)
+    return (f"Training stopped: image {path} no longer decodes ({why}), although "
             f"the hydration check passed it, so it changed since; it is now listed in "
             f"{bad_list} and left out from here on: run the same command again to resume from "
             f"{out_dir / 'checkpoints' / 'last.ckpt'} (or replace the file and delete its line).")
