@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from imgclf import hardware
+from imgclf import hardware, settings
 from imgclf.hydration import integrity
 from loader import natural_like  # benchmarks/loader.py: the same photo-like test images
 
@@ -133,14 +133,15 @@ def ensure_tree(root: Path, classes: int, train_files: int, val_per_class: int, 
 
 PREPARE = r"""
 import json, random, sys, time
-from imgclf import index
+from imgclf import index, settings
 from imgclf.hydration import census
 root, scratch, released, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 start = time.perf_counter()
 cen = census.walk(root)
 walk_s = time.perf_counter() - start
 for split in census.SPLITS:
-    index.write(f"{scratch}/index.{split}.tsv", root, split, cen.classes(split), cen.files[split])
+    index.write(f"{scratch}/index.{split}.tsv", root, split, cen.classes(split), cen.files[split],
+                max_image_pixels=settings.validate({}, "hydration")["max_image_pixels"])
 paths = [p for *_, p in cen.paths()]
 with open(f"{scratch}/paths0", "wb") as f:
     f.write(b"".join(p.encode() + b"\0" for p in paths))
@@ -266,14 +267,16 @@ def ensure_jpegs(folder: Path, n: int, quality: int, seed: int) -> list[Path]:
 
 
 def decode_rate(paths: list[str], repeats: int) -> tuple[float, list[float]]:
-    """Images/s of integrity.check_image over `paths` in this one process (one core)."""
+    """Images/s of integrity.check_image over `paths` in this one process (one core), under the
+    default pixel limit."""
+    limit = settings.validate({}, "hydration")["max_image_pixels"]
     for p in paths:  # warm-up: page cache, PIL's plugin imports
-        assert integrity.check_image(p) is None, p
+        assert integrity.check_image(p, limit) is None, p
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
         for p in paths:
-            integrity.check_image(p)
+            integrity.check_image(p, limit)
         rates.append(len(paths) / (time.perf_counter() - start))
     return statistics.median(rates), rates
 

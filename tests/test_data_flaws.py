@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import time
 import unicodedata
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from PIL import Image
 
 from conftest import SNAKEMAKE, snakemake
 from imgclf import data, hydration, index, recipes, settings
+from imgclf.hydration import integrity
 
 CHECK = "results/hydration/local.json"
 # a short but complete run: every training image is read in the one epoch
@@ -330,3 +332,48 @@ def test_a_file_broken_after_the_check_is_named_whole_and_left_out(tmp_path):
     bad_list = tmp_path / index.BAD_FILES
     index.add_bad_file(bad_list, shown)
     assert index.read_bad_files(bad_list) == {path}
+
+
+def pixels_image(folder: Path, name: str, size: tuple[int, int]) -> Path:
+    path = folder / name
+    Image.new("L", size).save(path)
+    return path
+
+
+def test_pixel_limit_is_one_threshold_and_never_a_warning(tmp_path):
+    """PIL warns between its limit and twice it and raises above; the check's rule is one
+    threshold, the same below and above twice it, and names the key that raises it."""
+    under = pixels_image(tmp_path, "under.png", (30, 33))  # 990 pixels
+    over = pixels_image(tmp_path, "over.png", (40, 40))  # 1,600: PIL would only warn
+    far_over = pixels_image(tmp_path, "far_over.png", (50, 50))  # 2,500: PIL would raise
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert integrity.check_image(str(under), 1000) is None
+        for path, pixels in ((over, "1,600"), (far_over, "2,500")):
+            why = integrity.check_image(str(path), 1000)
+            assert why.startswith("too large") and pixels in why
+            assert "`hydration.max_image_pixels` = 1,000" in why
+        assert integrity.check_image(str(far_over), None) is None
+
+
+@pytest.mark.parametrize("decoder", data.DECODERS)
+def test_decoders_apply_the_checks_limit_in_a_spawned_worker(decoder, tmp_path):
+    """The limit travels in the index: a DataLoader worker started afresh (spawn, as on macOS)
+    decodes an image under it and refuses one over it, naming the key, in one line."""
+    from torch.utils.data import DataLoader
+
+    folder = tmp_path / "train" / "a"
+    folder.mkdir(parents=True)
+    files = [pixels_image(folder, "1_under.png", (30, 30)),
+             pixels_image(folder, "2_over.png", (40, 40))]
+    source = tmp_path / "index.tsv"
+    index.write(source, tmp_path, "train", ["a"],
+                {"a": [(p.name, p.stat().st_size) for p in files]}, max_image_pixels=1000)
+    ds = data.train_dataset(str(source), decoder, 8, recipes.get("demo"))
+    batches = iter(DataLoader(ds, batch_size=1, num_workers=1, multiprocessing_context="spawn"))
+    assert next(batches)[0].shape == (1, 3, 8, 8)
+    with pytest.raises(data.BadImageError) as err:
+        next(batches)
+    shown, reason = data.BadImageError.file_and_reason(err.value)
+    assert shown == str(files[1])
+    assert reason.startswith("TooLarge: too large: 40 x 40") and "max_image_pixels" in reason

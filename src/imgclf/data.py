@@ -11,9 +11,8 @@ import os
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
-from torchvision import datasets
 
-from imgclf import index
+from imgclf import images, index
 from imgclf.errors import UserError
 
 DECODERS = ("pil", "tensor")
@@ -22,14 +21,18 @@ STD = (0.229, 0.224, 0.225)
 MEAN_FILL = tuple(round(255 * m) for m in MEAN)  # uint8 fill of geometric augmentations
 
 
-def read_tensor_image(path: str) -> torch.Tensor:
-    """Decode a file to a uint8 CHW RGB tensor (JPEG through libjpeg-turbo). Read in Python,
-    which opens any name the file system holds (torchvision's `read_file` takes the path as
-    UTF-8, which a name that is not cannot be)."""
+def read_tensor_image(path: str, max_pixels: int | None) -> torch.Tensor:
+    """Decode a file to a uint8 CHW RGB tensor (JPEG through libjpeg-turbo), under the pixel
+    limit (its header read by PIL from the same bytes: libjpeg-turbo has no limit). Read in
+    Python, which opens any name the file system holds (torchvision's `read_file` takes the path
+    as UTF-8, which a name that is not cannot be)."""
+    import io
+
     from torchvision.io import ImageReadMode, decode_image
 
     with open(path, "rb") as f:
         raw = bytearray(f.read())
+    images.open_image(io.BytesIO(raw), max_pixels).close()
     return decode_image(torch.frombuffer(raw, dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 
@@ -127,11 +130,12 @@ class BadImageError(UserError):
 class IndexedImages(torch.utils.data.Dataset):
     """The images of one split's file index (imgclf.index) through a decode path: built from
     the index the hydration check wrote, so it neither walks the tree nor opens an excluded
-    file. A file that fails to decode raises BadImageError naming it."""
+    file, and decodes under the pixel limit the check applied (in whichever process loads). A
+    file that fails to decode raises BadImageError naming it."""
 
     def __init__(self, idx: index.Index, decoder: str, transform):
         self.index, self.transform = idx, transform
-        self.decode = read_tensor_image if decoder == "tensor" else datasets.folder.pil_loader
+        self.decode = read_tensor_image if decoder == "tensor" else images.read_rgb
         self.classes = list(idx.classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.targets = idx.targets()
@@ -142,8 +146,8 @@ class IndexedImages(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         path = self.index.file(i)
         try:
-            image = self.decode(path)
-        except (OSError, RuntimeError, ValueError, SyntaxError) as e:
+            image = self.decode(path, self.index.max_image_pixels)
+        except (OSError, RuntimeError, ValueError, SyntaxError) as e:  # TooLarge: a ValueError
             raise BadImageError.of(path, e) from None
         return self.transform(image), int(self.targets[i])
 
@@ -154,12 +158,14 @@ def split_index(source, split: str) -> index.Index:
     if not os.path.isdir(source):
         return index.read(source)
     from imgclf.hydration.census import walk
+    from imgclf.settings import validate
 
     cen = walk(str(source))
     classes = cen.classes(split)
     lines = [index.file_line(c, n, s) for c in classes for n, s in sorted(cen.files[split][c])]
     return index.Index.from_lines(source, source, split, classes,
-                                  [len(cen.files[split][c]) for c in classes], lines)
+                                  [len(cen.files[split][c]) for c in classes], lines,
+                                  validate({}, "hydration")["max_image_pixels"])  # no check ran
 
 
 def train_dataset(source, decoder: str, resolution: int, recipe,

@@ -5,8 +5,9 @@ to build its data set, so no stage walks the tree again: on Lustre a walk of Ima
 files costs minutes of metadata calls, in every LR-finder run, every DDP rank and evaluation.
 A file the check excluded is not in the index, so no later stage ever opens it.
 
-Format (`imgclf-index-2`): a JSON header line (format, root, split, classes, files per class),
-then one line per file, `class/name<TAB>size`, grouped by class in class order.
+Format (`imgclf-index-2`): a JSON header line (format, root, split, classes, files per class,
+and `max_image_pixels`, the pixel limit the check applied, which every decoder of a later stage
+applies too), then one line per file, `class/name<TAB>size`, grouped by class in class order.
 Reading it is one read and one split: the line of a sample becomes a path only when the sample
 is loaded.
 
@@ -78,11 +79,13 @@ def file_line(cls: str, name: str, size: int) -> str:
     return f"{escape(f'{cls}/{name}')}\t{size}"
 
 
-def write(path, root: str, split: str, classes: list[str], files: dict[str, list]) -> None:
-    """`files`: class -> [(name, size), ...]; written sorted by class, then name."""
+def write(path, root: str, split: str, classes: list[str], files: dict[str, list], *,
+          max_image_pixels: int | None) -> None:
+    """`files`: class -> [(name, size), ...]; written sorted by class, then name.
+    `max_image_pixels`: the limit the check applied (None: none), for every later decoder."""
     counts = [len(files.get(c, ())) for c in classes]
     header = {"format": FORMAT, "root": str(root), "split": split, "classes": classes,
-              "counts": counts}
+              "counts": counts, "max_image_pixels": max_image_pixels}
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps(header) + "\n")
         for c in classes:
@@ -100,17 +103,19 @@ class Index:
     split: str
     classes: list[str]
     counts: list[int]
+    max_image_pixels: int | None
     body: bytes
     starts: "np.ndarray"  # offset of each line in `body`, and one past the last line's end
 
     @classmethod
-    def from_lines(cls, path, root, split, classes, counts, lines: list[str]) -> "Index":
+    def from_lines(cls, path, root, split, classes, counts, lines: list[str],
+                   max_image_pixels: int | None) -> "Index":
         """From `file_line` lines."""
         import numpy as np
 
         body = "".join(f"{line}\n" for line in lines).encode()
         return cls(path=str(path), root=str(root), split=split, classes=classes, counts=counts,
-                   body=body, starts=_line_starts(body, np))
+                   max_image_pixels=max_image_pixels, body=body, starts=_line_starts(body, np))
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -156,7 +161,8 @@ def read(path) -> Index:
         raise UserError(f"File index {path} is incomplete ({len(starts) - 1} of "
                         f"{sum(header['counts'])} files): rerun the hydration check.")
     return Index(path=str(path), root=header["root"], split=header["split"],
-                 classes=header["classes"], counts=header["counts"], body=body, starts=starts)
+                 classes=header["classes"], counts=header["counts"],
+                 max_image_pixels=header["max_image_pixels"], body=body, starts=starts)
 
 
 def read_bad_files(path) -> set[str]:
@@ -186,4 +192,5 @@ def without(index: Index, bad: set[str]) -> Index:
         kept += lines
         counts.append(len(lines))
         i += n
-    return Index.from_lines(index.path, index.root, index.split, index.classes, counts, kept)
+    return Index.from_lines(index.path, index.root, index.split, index.classes, counts, kept,
+                            index.max_image_pixels)

@@ -10,7 +10,7 @@ checkpoint check_hydration:
     """
     input:
         data=data_input,
-        code=code("hydration", "index", "plots", "progress"),
+        code=code("hydration", "index", "images", "plots", "progress"),
     output:
         report=report(
             "results/hydration/{cluster}.json",

@@ -6,7 +6,9 @@ rule benchmark_loader:
     input:
         verdict=hydration_verdict,
         index=train_index,
-        code=code("loader_bench", "data", "index", "recipes", "plots", "progress"),
+        code=code(
+            "loader_bench", "data", "images", "index", "recipes", "plots", "progress"
+        ),
     output:
         json=report(
             "results/loader/{cluster}.json",

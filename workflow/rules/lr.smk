@@ -5,7 +5,7 @@ rule lr_find:
     input:
         memory="results/memory/{cluster}.json",
         index=train_index,
-        code=code("lr_find", "recipes", "data", "index", "plan"),
+        code=code("lr_find", "recipes", "data", "images", "index", "plan"),
     output:
         "results/lr/{cluster}/run{run}.json",
     log:

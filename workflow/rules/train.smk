@@ -11,7 +11,16 @@ rule train_model:
         lr=lr_summary_input,
         train_index=train_index,
         val_index=val_index,
-        code=code("train", "recipes", "data", "index", "plan", "plots", "lr_validation"),
+        code=code(
+            "train",
+            "recipes",
+            "data",
+            "images",
+            "index",
+            "plan",
+            "plots",
+            "lr_validation",
+        ),
     output:
         best="results/train/{cluster}/best.ckpt",
         metrics="results/train/{cluster}/metrics.csv",
@@ -46,7 +55,7 @@ rule evaluate:
         ckpt="results/train/{cluster}/best.ckpt",
         memory="results/memory/{cluster}.json",
         index=val_index,
-        code=code("evaluate", "recipes", "data", "index", "plan", "plots"),
+        code=code("evaluate", "recipes", "data", "images", "index", "plan", "plots"),
     output:
         json="results/eval/{cluster}.json",
         confusion=report(

@@ -17,7 +17,16 @@ rule validate_lr_run:
         lr="results/lr/{cluster}_summary.json",
         train_index=train_index,
         val_index=val_index,
-        code=code("train", "recipes", "data", "index", "plan", "plots", "lr_validation"),
+        code=code(
+            "train",
+            "recipes",
+            "data",
+            "images",
+            "index",
+            "plan",
+            "plots",
+            "lr_validation",
+        ),
     output:
         summary="results/lr/{cluster}/validate/x{multiple}/train_summary.json",
         metrics="results/lr/{cluster}/validate/x{multiple}/metrics.csv",

@@ -7,7 +7,8 @@ a released file is what starts its slow restore from S3):
      never walked into), files that are not images (listed, ignored), zero-byte and
      unreadable files, empty class folders, classes present in one split only;
   2. Lustre HSM state of every image (storage.py), restored on request;
-  3. every image decoded in full, in parallel (integrity.py);
+  3. every image decoded in full, in parallel (integrity.py), none over the pixel limit
+     (`hydration.max_image_pixels`, imgclf.images);
   4. per-file latency and bandwidth on a sample (storage.py).
 Unusable files are excluded (listed with the reason in `{cluster}.excluded.txt`, with the
 ignored ones) or fail the check (`hydration.on_bad_files`, `hydration.max_bad_fraction`).
@@ -94,7 +95,8 @@ def inspect(root: Path, params: dict, floor_mb_s: float, cluster: str):
             return report, cen  # reading them would start their slow restore, one by one
     if params["verify_images"]:
         start = time.perf_counter()
-        census_.drop(cen, integrity.verify(paths, params["verify_workers"]))
+        census_.drop(cen, integrity.verify(paths, params["verify_workers"],
+                                           params["max_image_pixels"]))
         report["integrity"] = {"checked": len(paths), "method": "full decode (PIL)",
                                "seconds": round(time.perf_counter() - start, 2)}
     report["folder_problems"] = census_.folder_problems(cen)
@@ -162,9 +164,10 @@ def write_excluded(path, cen: census_.Census) -> None:
         f.writelines(f"{escape(p)}\t{escape(why)}\n" for p, why in rows)
 
 
-def write_indexes(cen: census_.Census, paths: dict) -> None:
+def write_indexes(cen: census_.Census, paths: dict, max_image_pixels: int | None) -> None:
     for split in SPLITS:
-        index.write(paths[split], cen.root, split, cen.classes(split), cen.files[split])
+        index.write(paths[split], cen.root, split, cen.classes(split), cen.files[split],
+                    max_image_pixels=max_image_pixels)
 
 
 def verdict_handoff(report: dict, index_paths: dict, excluded) -> dict:
@@ -220,7 +223,7 @@ def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out, out_v
     findings.unlink(missing_ok=True)
     plots.hydration(report, out_png)
     write_excluded(out_excluded, cen)
-    write_indexes(cen, out_index)
+    write_indexes(cen, out_index, params["max_image_pixels"])
     written = write_artifact(out, report, config_slice={"params": params, "root": str(root),
                                                          "min_read_mb_s": min_read_mb_s})
     write_handoff(out_verdict, verdict_handoff(report, out_index, out_excluded), full_report=out)

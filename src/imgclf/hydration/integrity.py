@@ -1,25 +1,30 @@
 """Every image decoded in full, in parallel over the node's CPUs, so that a truncated or corrupt
 file is found here, named, and kept out of training, not met in the first epoch days into a
 queue. The decoder is PIL's (libjpeg-turbo for JPEG), the one the `pil` decode path trains with;
-it identifies a file by its content, so a PNG named .JPEG or a CMYK JPEG passes, as it trains."""
+it identifies a file by its content, so a PNG named .JPEG or a CMYK JPEG passes, as it trains.
+An image over the pixel limit (imgclf.images) is not decoded, and unusable with that reason."""
 
 from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 
 from imgclf.hardware import usable_cpus
+from imgclf.images import TooLarge, open_image
 from imgclf.progress import progress
 
 CHUNK = 256  # files per task: few enough round trips, small enough for a smooth progress display
 
 
-def check_image(path: str) -> str | None:
+def check_image(path: str, max_pixels: int | None) -> str | None:
     """Why the image at `path` cannot be trained on, or None when it decodes whole."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
     try:
-        with Image.open(path) as img:
+        with open_image(path, max_pixels) as img:
             img.load()
+    except TooLarge as e:
+        return str(e)
     except UnidentifiedImageError:
         return "corrupt: no image format recognised in its bytes"
     except OSError as e:  # truncated data, broken stream, permission, I/O error
@@ -27,23 +32,25 @@ def check_image(path: str) -> str | None:
         if e.errno:
             return f"unreadable: {text}"
         return f"{'truncated' if 'truncated' in text.lower() else 'corrupt'}: {text}"
-    except (ValueError, SyntaxError, EOFError) as e:  # PIL's parsers raise these on garbage
+    except Exception as e:  # noqa: BLE001 - whatever a decoder raises on a file, it cannot train
         return f"corrupt: {type(e).__name__}: {e}"
     return None
 
 
-def _check_chunk(paths: list[str]) -> list[tuple[str, str]]:
-    return [(p, why) for p in paths if (why := check_image(p)) is not None]
+def _check_chunk(paths: list[str], max_pixels: int | None) -> list[tuple[str, str]]:
+    return [(p, why) for p in paths if (why := check_image(p, max_pixels)) is not None]
 
 
-def verify(paths: list[str], workers: int | str = "auto") -> dict[str, str]:
-    """{path: reason} for every image in `paths` that does not decode."""
+def verify(paths: list[str], workers: int | str, max_pixels: int | None) -> dict[str, str]:
+    """{path: reason} for every image in `paths` that does not decode, or whose header states
+    more than `max_pixels` pixels."""
     n = usable_cpus() if workers == "auto" else int(workers)
     chunks = [paths[i:i + CHUNK] for i in range(0, len(paths), CHUNK)]
+    check = partial(_check_chunk, max_pixels=max_pixels)
     bad: dict[str, str] = {}
     pool = ProcessPoolExecutor(n) if n > 1 and len(chunks) > 1 else None
     try:
-        results = pool.map(_check_chunk, chunks) if pool else map(_check_chunk, chunks)
+        results = pool.map(check, chunks) if pool else map(check, chunks)
         with progress(total=len(paths), desc="decode every image", unit="img") as bar:
             for chunk, found in zip(chunks, results):
                 bad.update(found)
