@@ -1,7 +1,10 @@
 """Real data sets have flaws: every one is found by the hydration check before training, named,
 and either excluded (the pipeline trains without it) or reported in one sentence that says what
-resolves it, with the findings kept on disk. A file that breaks after the check stops training
-with one sentence, and the next run resumes."""
+resolves it, with the findings kept on disk. Data sets arrive with more than flaws: metadata a
+Mac or Windows left beside every image, names no text format holds as they are, images whose
+pixels would not fit in memory; each is trained on or listed with its reason, and a data set
+with all of them goes through the whole default target. A file that breaks after the check
+stops training with one sentence, and the next run resumes."""
 
 from __future__ import annotations
 
@@ -377,3 +380,67 @@ def test_decoders_apply_the_checks_limit_in_a_spawned_worker(decoder, tmp_path):
     shown, reason = data.BadImageError.file_and_reason(err.value)
     assert shown == str(files[1])
     assert reason.startswith("TooLarge: too large: 40 x 40") and "max_image_pixels" in reason
+
+
+def every_flaw(root: Path) -> tuple[dict[str, str], list[str]]:
+    """All of the above in one data set: ({path: what its reason says}, [paths trained on])
+    for every odd file and folder, images inside ignored folders among the listed ones."""
+    listed = {str(p): kind.split()[0] for kind, p in file_flaws(root).items()}
+    listed |= {p: "ignored" for p in mac_copy(root)}
+    for folder, name in (("train/2/.ipynb_checkpoints", "0_copy-checkpoint.jpg"),
+                         ("val/1/.cache", "0_copy.jpg"), ("train/.Trash-1000", "0.jpg")):
+        (root / folder).mkdir(parents=True)
+        shutil.copy(last_of(root / "val" / "1"), root / folder / name)  # an image, never read
+        listed[str(root / folder)] = "ignored"
+    listed |= {put(root / "train" / "6", n, b"\x00" * 8): "ignored"
+               for n in (b"Thumbs.db", b"desktop.ini")}
+    listed[put(root / "val" / "2", b"x.jpg ", small_jpeg())] = "not"  # its suffix is ".jpg "
+    for name, size in (("bomb.png", (16000, 16000)), ("over_once.png", (10000, 10000))):
+        Image.new("1", size).save(root / "train" / "4" / name)  # a few kB; PIL raised/warned
+        listed[str(root / "train" / "4" / name)] = "too"
+    trained = [put(root / split / "0", n, last_of(root / split / "0").read_bytes())
+               for split in ("train", "val") for n in NASTY_NAMES]
+    large = root / "train" / "8" / "large_42mp.jpg"
+    Image.radial_gradient("L").resize((7000, 6000)).convert("RGB").save(large, quality=85)
+    with Image.open(last_of(root / "train" / "9")) as img:
+        img.convert("CMYK").save(root / "train" / "9" / "cmyk.jpg")
+        img.save(root / "train" / "9" / "png_named.JPEG", "PNG")
+    trained += [str(large), str(root / "train" / "9" / "cmyk.jpg"),
+                str(root / "train" / "9" / "png_named.JPEG")]
+    return listed, trained
+
+
+def test_a_data_set_with_every_flaw_goes_through_the_default_target(workflow_copy, demo_root,
+                                                                   tmp_path):
+    """Every flaw at once, through `snakemake` with no target (check, loader benchmark, memory
+    solve, LR finder, training, evaluation, report tables): every odd file is trained on (its
+    name intact, evaluated when in val/) or listed with its reason, and no traceback anywhere."""
+    root = flawed_copy(demo_root, tmp_path / "as_it_arrived")
+    listed, trained = every_flaw(root)
+    (workflow_copy / "data.yaml").write_text(
+        f"dataset: {{root: {root}}}\nhydration: {{max_bad_fraction: 0.01}}\n"
+        "lr_finder: {runs: 1, num_iter: 30, skip_start: 3, skip_end: 2}\n" + QUICK)
+    res = snakemake(workflow_copy, "--configfile", "data.yaml", timeout=1500)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    logs = [p for p in (workflow_copy / "logs").rglob("*") if p.is_file()]
+    assert logs and not [p for p in logs if b"Traceback" in p.read_bytes()]
+    assert "Traceback" not in out
+
+    hyd = workflow_copy / "results/hydration"
+    excluded = excluded_list(hyd / "local.excluded.txt")
+    for path, word in listed.items():
+        assert excluded.get(path, "").startswith(word), (path, excluded.get(path))
+    files = {s: set(indexed(hyd / f"local.{s}.tsv")) for s in ("train", "val")}
+    assert set(trained) <= files["train"] | files["val"]
+    assert not set(excluded) & (files["train"] | files["val"])
+    assert not [f for f in files["train"] | files["val"]
+                if "/." in f or "__MACOSX" in f or f.endswith((".db", ".ini"))]
+    report = json.loads((hyd / "local.json").read_text())
+    assert report["census"]["splits"]["val"]["classes"] == 10
+    assert report["bad_files"]["count"] == 6  # truncated, corrupt, empty, unreadable, 2 too large
+
+    summary = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
+    assert summary["completed"] and summary["train_images"] == len(files["train"])
+    evaluation = json.loads((workflow_copy / "results/eval/local.json").read_text())
+    assert evaluation["num_images"] == len(files["val"])
