@@ -3,10 +3,12 @@ real Snakemake run of the LR stage on the demo data."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import re
+from datetime import datetime
 
 import numpy as np
 import pytest
@@ -333,12 +335,19 @@ def test_lr_runs_take_one_gpu_each_and_never_more_than_there_are(workflow_copy, 
             for i in range(4)]
     running, most = set(), 0
     for what, run in lr_jobs_timeline(out):
-        if what == "start":
-            assert {runs[r]["gpu"][0]["uuid"] for r in running}.isdisjoint(
-                {runs[run]["gpu"][0]["uuid"]})  # not a GPU a running job holds
-            running.add(run)
-            most = max(most, len(running))
-        else:
-            running.discard(run)
+        running.add(run) if what == "start" else running.discard(run)
+        most = max(most, len(running))
     assert most == 2
+    # Each run holds its GPU's lock until its process ends, which is after it wrote its artifact:
+    # a run that claimed a GPU another run had held cannot have claimed it before that run's
+    # artifact was written. (Snakemake's log is no clock for this: two jobs that end together
+    # are reported one after the other, with a new job started in between.)
+    held_from = {r["run"]: r["gpu"][0]["claimed_at"] for r in runs}
+    written = {r["run"]: datetime.fromisoformat(r["provenance"]["created"]).timestamp()
+               for r in runs}
+    for a, b in itertools.combinations(runs, 2):
+        if a["gpu"][0]["uuid"] == b["gpu"][0]["uuid"]:
+            first, then = sorted((a["run"], b["run"]), key=held_from.get)
+            assert held_from[then] >= written[first], (first, then, held_from, written)
+    assert len({r["gpu"][0]["uuid"] for r in runs}) == 2
     assert all(len(r["gpu"]) == 1 and r["gpu"][0]["waited_s"] == 0 for r in runs)

@@ -94,7 +94,8 @@ def claim_gpus(count: int, what: str, poll_s: float = 2.0) -> list[dict]:
         time.sleep(poll_s)
         waited += poll_s
     _held.extend(lock for _, lock in held)
-    claimed = [{**gpu, "waited_s": waited} for gpu, _ in held]
+    claimed = [{**gpu, "waited_s": waited, "claimed_at": round(time.time(), 3)}
+               for gpu, _ in held]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in claimed)
     os.environ[CLAIM_ENV] = json.dumps(claimed)
     log.info("%s: claimed GPU(s) %s", what, ", ".join(f"{g['name']} {g['uuid']}" for g in claimed))
