@@ -211,3 +211,11 @@ def optimizer_state_floats_per_param(recipe: Recipe) -> int:
     """Optimizer state per parameter, in float32 values (SGD momentum: 1; LAMB: 2 moments)."""
     return 2 if recipe.optimizer == "lamb" else (1 if recipe.momentum else 0)
 
+
+def optimizer_step_copies(recipe: Recipe) -> int:
+    """Gradient-sized temporaries one optimizer step holds on a GPU, where torch's SGD runs
+    `foreach` over all parameters at once: the weight decay is added into a new list of
+    gradients (torch/optim/sgd.py, _multi_tensor_sgd; momentum and Nesterov then work in place).
+    timm's LAMB works one parameter at a time: counted as one, more than it needs."""
+    return int(recipe.weight_decay > 0) if recipe.optimizer == "sgd" else 1
+

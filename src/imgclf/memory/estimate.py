@@ -31,12 +31,15 @@ def autocast_context(precision: str, device_type: str):
 
 def _saved_bytes(model, x, y, loss_fn, precision: str, owned: set) -> dict:
     """Sizes of the storages autograd saves in one forward + loss at the batch (x, y), each
-    storage once, leaving out the model's own tensors and the batch itself."""
+    storage once, in the order saved, leaving out the model's own tensors and the batch itself;
+    and for each module with parameters, how many storages had been saved when it started and
+    the bytes of its parameters (whose gradients backward makes when it gets back there)."""
     import torch
 
     skip = owned | {x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()}
     seen: dict[int, int] = {}
     dtypes: dict[str, int] = {}
+    params_at: list[tuple[int, int]] = []
 
     def pack(t):
         storage = t.untyped_storage()
@@ -47,12 +50,23 @@ def _saved_bytes(model, x, y, loss_fn, precision: str, owned: set) -> dict:
             dtypes[dtype] = dtypes.get(dtype, 0) + storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with autocast_context(precision, "cpu"):
-            loss = loss_fn(model(x), y)
+    def note_params(module, _inputs):
+        own = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False)
+                  if p.requires_grad)
+        if own:
+            params_at.append((len(seen), own))
+
+    hooks = [m.register_forward_pre_hook(note_params) for m in model.modules()]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with autocast_context(precision, "cpu"):
+                loss = loss_fn(model(x), y)
+    finally:
+        for h in hooks:
+            h.remove()
     sizes = list(seen.values())
     del loss  # the graph (and the saved tensors) had to live until every size was read
-    return {"sizes": sizes, "dtypes": dtypes}
+    return {"sizes": sizes, "dtypes": dtypes, "params_at": params_at}
 
 
 def saved_tensor_profile(model, make_batch, loss_fn, precision: str = "32",
@@ -78,14 +92,50 @@ def saved_tensor_profile(model, make_batch, loss_fn, precision: str = "32",
     total1, total2 = sum(r1["sizes"]), sum(r2["sizes"])
     per_sample = (total2 - total1) / (b2 - b1)
     if len(r1["sizes"]) == len(r2["sizes"]):  # same graph: pair tensors by the order saved
-        growth = [(s2 - s1) / (b2 - b1) for s1, s2 in zip(r1["sizes"], r2["sizes"])]
-        largest = max(growth, default=0.0)
+        saved = [((s2 - s1) / (b2 - b1), s1 - (s2 - s1) / (b2 - b1) * b1)
+                 for s1, s2 in zip(r1["sizes"], r2["sizes"])]
     else:
-        largest = max(r2["sizes"], default=0) / b2
+        saved = [(s / b2, 0.0) for s in r2["sizes"]]
+    points = backward_points(saved, r2["params_at"])
     return {"per_sample_bytes": per_sample, "fixed_bytes": max(0.0, total1 - per_sample * b1),
-            "largest_per_sample_bytes": largest, "tensors_saved": len(r2["sizes"]),
+            "backward_points": points, "tensors_saved": len(r2["sizes"]),
             "bytes_by_dtype": r2["dtypes"], "batches": list(batches), "precision": precision,
             "counted_on": "cpu"}
+
+
+def backward_points(saved: list[tuple[float, float]],
+                    params_at: list[tuple[int, int]]) -> list[list[float]]:
+    """What backward holds beyond the saved tensors, as lines [per-sample bytes, fixed bytes]
+    whose maximum at a batch is backward's peak: from the saved tensors (per-sample and fixed
+    bytes: a mixed-precision weight copy is all fixed) in the order forward saved them, and
+    where each module's parameters came.
+
+    Backward walks the saved tensors in reverse, freeing each once its layer is done. At the
+    layer of saved tensor i it holds the saved tensors up to i, the gradients flowing into and
+    out of that layer (each about the size of its saved input: 2 x its per-sample part), and
+    the weight gradients of every module after it. At large batches the maximum falls at the
+    start of backward, at the last full-size feature map (the gradient average pooling spreads
+    back over it), not at the largest saved tensor, which is freed long before backward gets
+    there; at small ones, further in, where the weight gradients have grown. Only lines that
+    are the largest at some batch are kept."""
+    lines, later, later_fixed = [], 0.0, 0.0
+    for i in range(len(saved) - 1, -1, -1):
+        per_sample, fixed = saved[i]
+        grads_after = sum(nbytes for start, nbytes in params_at if start > i)
+        lines.append((2 * per_sample - later, grads_after - later_fixed))
+        later, later_fixed = later + per_sample, later_fixed + fixed
+    # backward's end: every saved tensor freed, every weight gradient made
+    lines.append((-later, sum(nbytes for _, nbytes in params_at) - later_fixed))
+    kept: list[list[float]] = []
+    for slope, fixed in sorted(lines, key=lambda line: (-line[0], -line[1])):
+        if not kept or fixed > kept[-1][1]:
+            kept.append([slope, float(fixed)])
+    return kept
+
+
+def backward_transient(points: list[list[float]], batch: int) -> float:
+    """Backward's peak beyond the saved activations at `batch` (see `backward_points`)."""
+    return max(0.0, *(slope * batch + fixed for slope, fixed in points))
 
 
 def count_params(model) -> dict:
@@ -126,32 +176,95 @@ def model_profile(arch: str, num_classes: int, resolution: int, precision: str,
 
 
 def breakdown(batch: int, prof: dict, *, resolution: int, state_floats: int, world: int,
-              memory: dict, gpu: bool, ema: bool = False) -> dict:
-    """Bytes per component at `batch` on one device (GPU memory, or a CPU rank's RAM)."""
+              memory: dict, gpu: bool, ema: bool = False, accumulates: bool = False,
+              step_copies: int = 1) -> dict:
+    """Bytes per component at `batch` on one device (GPU memory, or a CPU rank's RAM), at the
+    step's peak.
+
+    A step peaks either at the start of backward (every saved activation still held, backward's
+    transient beside them, no gradient yet unless an earlier micro-batch of an accumulation left
+    its gradients) or in the optimizer step (full gradients, and `step_copies` temporaries of
+    the gradients: torch's foreach SGD adds the weight decay into a new list, Nesterov a second;
+    the activations are gone). The components of the smaller phase are 0."""
     from imgclf import data
 
     act = prof["activations"]
-    parts = {
+    static = {
         "weights": prof["param_bytes"],
-        "gradients": prof["param_bytes"],
         "optimizer_state": prof["params"] * 4 * state_floats,
         "buffers": prof["buffer_bytes"],
         # a recipe's moving average of the weights is a second copy of parameters and buffers
         "ema_weights": prof["param_bytes"] + prof["buffer_bytes"] if ema else 0,
         # DDP keeps its gradient buckets beside the .grad tensors (gradient_as_bucket_view off)
         "ddp_buckets": prof["param_bytes"] if world > 1 else 0,
-        "weight_casts": act["fixed_bytes"],
         "batch": data.sample_batch_bytes(batch, resolution) + batch * 8,  # images + int64 labels
-        "activations": act["per_sample_bytes"] * batch,
-        # backward holds the gradient flowing into and out of a layer beside what is saved
-        "backward_transient": 2 * act["largest_per_sample_bytes"] * batch,
     }
+    backward = {
+        "gradients": prof["param_bytes"] if accumulates else 0,
+        "optimizer_step": 0,
+        "weight_casts": act["fixed_bytes"],
+        "activations": act["per_sample_bytes"] * batch,
+        # with the weight gradients backward has made by its peak (all of them: accumulating)
+        "backward_transient": (backward_transient([[a, 0.0] for a, _ in act["backward_points"]],
+                                                  batch) if accumulates
+                               else backward_transient(act["backward_points"], batch)),
+    }
+    step = {**dict.fromkeys(backward, 0), "gradients": prof["param_bytes"],
+            "optimizer_step": prof["param_bytes"] * step_copies}
+    parts = {**static, **max(backward, step, key=lambda phase: sum(phase.values()))}
     parts["fragmentation"] = memory["fragmentation"] * (parts["activations"]
                                                         + parts["backward_transient"])
     if gpu:
         parts["cuda_context"] = memory["cuda_context_gb"] * GB
         parts["workspace"] = memory["workspace_gb"] * GB
+        parts["nccl"] = memory["nccl_gb"] * GB if world > 1 else 0
     return {k: int(round(v)) for k, v in parts.items()}
+
+
+def fake_tensor_peak(arch: str, batch: int, precision: str, recipe_name: str,
+                     resolution: int = 224, num_classes: int = 1000) -> int:
+    """PyTorch's own count of the tensor bytes a training step holds at its peak, made without
+    a GPU: the real model, loss and optimizer on fake tensors (no data, only sizes) under
+    torch's MemTracker, two steps so that the optimizer state exists, SGD's `foreach` on as it
+    is on a GPU, AMP as CPU autocast with the GradScaler's unscale. It matches a CUDA device's
+    tensor bytes for ResNets to well under 1 %, and is the reference `breakdown` is checked
+    against; it sees nothing outside tensors (context, workspaces, fragmentation). Uses
+    private torch APIs (ImportError or AttributeError where a torch lacks them)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from imgclf import recipes
+
+    unscale = torch._amp_foreach_non_finite_check_and_unscale_
+    recipe = recipes.get(recipe_name)
+    with FakeTensorMode():
+        model = recipes.build_model(arch, num_classes, recipe.drop_path)
+        optimizer = recipes.build_optimizer(model, recipe, lr=recipe.lr)
+        for group in optimizer.param_groups:
+            group["foreach"] = True  # torch's default for CUDA tensors; on the CPU it is off
+        loss_fn = recipes.build_loss(recipe)
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            for _ in range(2):
+                tracker.reset_mod_stats()
+                x = torch.randn(batch, 3, resolution, resolution)
+                y = torch.randint(0, num_classes, (batch,))
+                with autocast_context(precision, "cpu"):
+                    loss = loss_fn(model(x), y)
+                if precision == "16-mixed":
+                    scale = torch.full((), 65536.0)
+                    (loss * scale).backward()
+                    unscale([p.grad for p in model.parameters()], torch.zeros(()),
+                            scale.reciprocal())
+                else:
+                    loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                del x, y, loss
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+    return peak["Total"]
 
 
 def largest_fitting(total, budget: float, upper: int = 1 << 20) -> int:

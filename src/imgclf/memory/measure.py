@@ -48,16 +48,40 @@ def gpus_to_request(memory: dict, hw: dict, on_slurm: bool) -> int:
 
 # --- the device -------------------------------------------------------------------------------
 
+# How allocation failures read when they do not arrive as torch.OutOfMemoryError: cuDNN and
+# cuBLAS report their own status, a kernel launch the CUDA runtime's error, NCCL the CUDA
+# failure it saw ("Cuda failure 'out of memory'").
+ALLOCATION_FAILURES = ("CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED",
+                       "out of memory")
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """What ran out of memory, when `error` is an allocation failure of any library; else None."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return "out of memory"
+    if isinstance(error, RuntimeError):
+        text = str(error)
+        for marker in ALLOCATION_FAILURES:
+            if marker.lower() in text.lower():
+                return f"out of memory ({marker})" if marker != "out of memory" else marker
+    return None
+
+
 def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
               precision: str, channels_last: bool, steps: int):
     """A probe: real forward + backward + optimizer steps on cuda:0 at batch b, returning the
-    peak allocated and reserved bytes; an out-of-memory error is cleaned up and re-raised.
+    peak allocated and reserved bytes; an allocation failure is cleaned up and re-raised.
 
-    cuDNN autotuning is on, as training has it by default: it tries algorithms with large
-    workspaces, so a probe with it bounds a training without it too. Every probe gets a fresh
-    optimizer and GradScaler: an out-of-memory error inside `scaler.step` leaves the scaler's
-    per-optimizer state (and half-built momentum buffers) behind, which the next probe would
-    otherwise inherit."""
+    cuDNN autotuning is on, as training has it by default. Its first step at a new shape tries
+    algorithms with the largest workspaces that fit, which training would shrink under
+    pressure: so each probe runs a warm-up step at its shape first, then frees the cache and
+    resets the peak, and its figure is the peak of the `steps` steps after that (with the
+    algorithms autotuning chose, and the optimizer state the warm-up made). Every probe gets a
+    fresh optimizer and GradScaler: an out-of-memory error inside `scaler.step` leaves the
+    scaler's per-optimizer state (and half-built momentum buffers) behind, which the next probe
+    would otherwise inherit."""
     import torch
 
     from imgclf import recipes
@@ -69,34 +93,50 @@ def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
     model = model.to(memory_format=fmt)
     loss_fn = recipes.build_loss(recipe)
 
+    def free_cache():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    def train_steps(batch, n, optimizer, scaler):
+        for _ in range(n):
+            x = torch.randn(batch, 3, resolution, resolution, device=device)
+            x = x.contiguous(memory_format=fmt)
+            y = torch.randint(0, num_classes, (batch,), device=device)
+            with autocast_context(precision, "cuda"):
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            del x, y, loss
+
     def step(batch: int) -> dict:
         model.zero_grad(set_to_none=True)
-        # blocks cached by an earlier (failed) probe would count as this probe's reservation
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        free_cache()  # blocks cached by an earlier (failed) probe would count as this one's
         optimizer = recipes.build_optimizer(model, recipe, lr=recipe.lr)
         scaler = torch.amp.GradScaler("cuda", enabled=precision == "16-mixed")
+        failure = None
         try:
-            for _ in range(steps):
-                x = torch.randn(batch, 3, resolution, resolution, device=device)
-                x = x.contiguous(memory_format=fmt)
-                y = torch.randint(0, num_classes, (batch,), device=device)
-                with autocast_context(precision, "cuda"):
-                    loss = loss_fn(model(x), y)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                del x, y, loss
+            train_steps(batch, 1, optimizer, scaler)  # warm-up: autotuning at this shape
+            free_cache()
+            train_steps(batch, steps, optimizer, scaler)
             torch.cuda.synchronize()
             return {"allocated": torch.cuda.max_memory_allocated(),
                     "reserved": torch.cuda.max_memory_reserved()}
+        except RuntimeError as error:  # torch.OutOfMemoryError is one too
+            if out_of_memory(error) is None:
+                raise
+            failure = error
         finally:
-            # the optimizer, scaler and any tensors of a failed step die with this frame; the
-            # next probe's gc.collect and empty_cache return their blocks
             del optimizer, scaler
+        # the tensors of the failed step live in the traceback's frames: drop them, wait for
+        # the kernels still queued, and return the cached blocks before the next probe
+        failure.__traceback__ = None
+        model.zero_grad(set_to_none=True)
+        free_cache()
+        raise failure
 
     return step
 
@@ -136,18 +176,20 @@ def fit_line(points: dict[int, float]) -> tuple[float, float]:
 
 
 def _try(step, batch: int, budget: float, what: str, events: list[str]) -> dict | None:
-    """The peak of one real step at `batch`, or None (with an event) when it ran out of memory
-    or reserved more than the budget."""
-    import torch
-
+    """The peak of one real step at `batch`, or None (with an event) when an allocation failed
+    or it reserved more than the budget."""
     try:
         peak = step(batch)
-    except torch.OutOfMemoryError:
-        peak = None
-    if peak is not None and peak["reserved"] <= budget:
+    except RuntimeError as error:
+        failed = out_of_memory(error)
+        if failed is None:
+            raise
+        events.append(f"{what} at batch {batch}: {failed}")
+        return None
+    if peak["reserved"] <= budget:
         return peak
-    events.append(f"{what} at batch {batch}: " + ("out of memory" if peak is None else
-                  f"{peak['reserved'] / GB:.2f} GB reserved, over the budget"))
+    events.append(f"{what} at batch {batch}: {peak['reserved'] / GB:.2f} GB reserved, over "
+                  f"the budget")
     return None
 
 
@@ -196,15 +238,14 @@ def measure(step, budget: float, probes: list[int], *, round_to: int, max_batch:
             max_backoffs: int, what: str) -> dict:
     """Probe, fit fixed + per-sample reserved memory, solve, verify with one more real step.
 
-    `step(b)` returns {"allocated", "reserved"} or raises torch.OutOfMemoryError; a probe over
-    the budget counts as too large. Out-of-memory errors are caught and the search backs off;
-    only when batch 1 itself does not fit does it raise (UserError, one sentence)."""
+    `step(b)` returns {"allocated", "reserved"} or raises an allocation failure (see
+    `out_of_memory`); a probe over the budget counts as too large. Allocation failures are
+    caught and the search backs off; when no batch fits it raises one sentence (UserError)
+    saying whether batch 1 itself failed or the search ran out of tries."""
     events: list[str] = []
     ok, too_big = _probe(step, budget, probes, max_backoffs, events)
     if not ok:
-        raise UserError(f"Not even a batch of 1 fits: {what} ran out of the "
-                        f"{budget / GB:.2f} GB budget (memory.safety_margin) at every probe "
-                        f"down to batch {min(too_big)}.")
+        raise UserError(nothing_fits(what, budget, min(too_big), len(too_big), "probe"))
     fixed, per_sample = fit_line({b: p["reserved"] for b, p in ok.items()})
     per_sample = max(per_sample, 1.0)
     solved = int((budget - fixed) // per_sample)
@@ -213,30 +254,46 @@ def measure(step, budget: float, probes: list[int], *, round_to: int, max_batch:
     batch, verified = _verify(step, budget, batch, round_to=round_to,
                               max_backoffs=max_backoffs, events=events)
     if verified is None:
-        raise UserError(f"Not even a batch of 1 fits: {what} could not complete a verified step "
-                        f"within the {budget / GB:.2f} GB budget (memory.safety_margin).")
+        raise UserError(nothing_fits(what, budget, batch, max_backoffs + 1, "verification"))
     return {"per_device_batch": batch, "solved_batch": solved, "fixed_bytes": fixed,
             "per_sample_bytes": per_sample, "probes": {str(b): p for b, p in sorted(ok.items())},
             "too_big": sorted(too_big), "events": events, "verified": verified}
 
 
-def recipes_param_bytes(arch: str, num_classes: int) -> int:
-    """Bytes of the trainable parameters of `arch` with `num_classes` outputs."""
+def nothing_fits(what: str, budget: float, smallest: int, tries: int, stage: str) -> str:
+    """The sentence when the search ends without a batch that fits: batch 1 itself failing,
+    or the search out of tries (memory.max_backoffs) before it got down to batch 1."""
+    if smallest == 1:
+        return (f"Not even a batch of 1 fits: {what} ran out of the {budget / GB:.2f} GB "
+                f"budget (memory.safety_margin) at every {stage} down to batch 1.")
+    return (f"The memory search for {what} stopped after {tries} {stage}s that did not fit "
+            f"the {budget / GB:.2f} GB budget, the smallest at batch {smallest}: raise "
+            f"memory.max_backoffs, or name smaller memory.probe_batches.")
+
+
+def beside_the_probes(memory: dict, hw: dict, recipe, arch: str, num_classes: int) -> dict:
+    """Bytes training holds on each GPU that a probe (one GPU, no DDP, no EMA) never
+    allocates: DDP's gradient buckets and NCCL's buffers (the `memory.nccl_gb` allowance) when
+    training runs on several devices, and the recipe's moving average of the weights (a second
+    copy of parameters and buffers on the same device, Lightning's WeightAveraging)."""
     from imgclf import recipes
 
-    return count_params(recipes.build_model(arch, num_classes))["param_bytes"]
+    counts = count_params(recipes.build_model(arch, num_classes))
+    several = hw["devices_per_node"] * hw["nodes"] > 1
+    return {"ddp_buckets": counts["param_bytes"] if several else 0,
+            "nccl": int(memory["nccl_gb"] * GB) if several else 0,
+            "ema_weights": (counts["param_bytes"] + counts["buffer_bytes"]
+                            if recipe.ema_decay is not None else 0)}
 
 
 def measure_here(memory, model, hw, recipe, num_classes, estimate_batch, max_batch, what,
                  device: dict) -> dict:
     """Measured mode on `device` (see `cuda_device`); probes at 1/4, 1/2 and 3/4 of the
     estimated batch unless `memory.probe_batches` names them. The budget is the safety margin
-    of the GPU's memory less what lies outside torch's allocator and, when training runs on
-    several devices, DDP's gradient buckets (the probes run on one GPU, without DDP). What lies
-    outside the allocator is read after a warm-up step at batch 1, once the handles and kernels
-    a step loads exist, and again after the last step: the larger is reported."""
-    import torch
-
+    of the GPU's memory less what lies outside torch's allocator and what training holds beside
+    what the probes allocate (`beside_the_probes`). What lies outside the allocator is read
+    after a warm-up step at batch 1, once the handles and kernels a step loads exist, and again
+    after the last step: the larger is reported."""
     total = device["total"]
     step = device["step_factory"](model["arch"], num_classes, recipe,
                                   recipe.train_size(model["resolution"]),
@@ -244,14 +301,16 @@ def measure_here(memory, model, hw, recipe, num_classes, estimate_batch, max_bat
                                   memory["probe_steps"])
     try:
         step(1)
-    except torch.OutOfMemoryError:
-        raise UserError(f"Not even a batch of 1 fits: {what} ran out of GPU memory in its "
-                        f"warm-up step (memory.safety_margin).") from None
+    except RuntimeError as error:
+        failed = out_of_memory(error)
+        if failed is None:
+            raise
+        raise UserError(f"Not even a batch of 1 fits: {what} ran {failed} in its warm-up step "
+                        f"at batch 1, before any budget applied.") from None
     capacity = min(total, hw["gpu_memory_gb"] * GB)
     outside = device["outside_allocator"]()
-    world = hw["devices_per_node"] * hw["nodes"]
-    ddp = recipes_param_bytes(model["arch"], num_classes) if world > 1 else 0
-    budget = memory["safety_margin"] * capacity - outside - ddp
+    beside = beside_the_probes(memory, hw, recipe, model["arch"], num_classes)
+    budget = memory["safety_margin"] * capacity - outside - sum(beside.values())
     if memory["probe_batches"] == "auto":
         e = max(estimate_batch, 4)
         probes = sorted({max(1, e // 4), max(2, e // 2), max(3, 3 * e // 4)})
@@ -265,6 +324,6 @@ def measure_here(memory, model, hw, recipe, num_classes, estimate_batch, max_bat
             f"memory outside torch's allocator grew from {outside / GB:.2f} GB to "
             f"{outside_after / GB:.2f} GB during the probes")
     result.update(device=device["name"], device_total_bytes=total,
-                  outside_allocator_bytes=max(outside, outside_after), ddp_bucket_bytes=ddp,
+                  outside_allocator_bytes=max(outside, outside_after), beside_probes=beside,
                   allocator_budget_bytes=budget)
     return result

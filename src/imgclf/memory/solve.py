@@ -36,6 +36,7 @@ class Problem:
     max_batch: int
     prof: dict
     state_floats: int
+    step_copies: int
 
     @property
     def gpu(self) -> bool:
@@ -65,9 +66,14 @@ class Problem:
         return self.recipe.train_size(self.model["resolution"])
 
     def parts(self, batch: int) -> dict:
+        """Bytes per component at `batch`; a batch that needs accumulation to reach the
+        recipe's global batch holds one micro-batch's gradients through the next backward."""
         return breakdown(batch, self.prof, resolution=self.train_resolution,
                          state_floats=self.state_floats, world=self.world, memory=self.memory,
-                         gpu=self.gpu, ema=self.recipe.ema_decay is not None)
+                         gpu=self.gpu, ema=self.recipe.ema_decay is not None,
+                         accumulates=accumulation(self.target, batch, self.devices,
+                                                  self.hw["nodes"]) > 1,
+                         step_copies=self.step_copies)
 
     def total(self, batch: int) -> int:
         return sum(self.parts(batch).values())
@@ -109,7 +115,8 @@ def problem(memory: dict, model: dict, hw: dict, loader: dict) -> Problem:
                          model["precision"], model["channels_last"], recipe.name)
     return Problem(memory=memory, model=model, hw=hw, loader=loader, recipe=recipe,
                    num_classes=num_classes, max_batch=max_batch, prof=prof,
-                   state_floats=recipes.optimizer_state_floats_per_param(recipe))
+                   state_floats=recipes.optimizer_state_floats_per_param(recipe),
+                   step_copies=recipes.optimizer_step_copies(recipe))
 
 
 def gpu_batch(p: Problem, gpu_here: dict | None) -> Batch:
@@ -214,7 +221,7 @@ def measured_breakdown(measured: dict, per_device: int) -> dict:
     return {"fixed_measured": int(measured["fixed_bytes"]),
             "per_sample_measured": int(measured["per_sample_bytes"] * per_device),
             "outside_allocator": int(measured["outside_allocator_bytes"]),
-            "ddp_buckets": int(measured["ddp_bucket_bytes"])}
+            **{k: int(v) for k, v in measured["beside_probes"].items()}}
 
 
 def report(p: Problem, batch: Batch, accum: int, loader_fit: tuple, warnings: list) -> dict:
