@@ -312,3 +312,54 @@ def test_each_single_device_stage_refuses_emulated_bf16_before_it_starts(demo_ro
         lr_find.find(str(demo_root), model, p3, plan=None, cfg={"seed": 0}, run=0)
     with pytest.raises(hardware.UserError, match="use `model.precision: 16-mixed`"):
         evaluate.pick_device(settings.cluster(settings.load(), "p3"), "bf16-mixed")
+
+
+SMALL_16 = {"arch": "resnet18", "recipe": "demo", "resolution": 32, "precision": "16-mixed",
+            "channels_last": False}
+
+
+@pytest.fixture
+def solve_claims_here(nvidia_smi, tmp_path, monkeypatch):
+    """A memory solve's GPU claim in this process, undone afterwards: its locks in a folder of
+    the test's own, its environment variables restored, the lock files closed."""
+    import tempfile
+
+    from imgclf import devices
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv(devices.CLAIM_ENV, raising=False)
+    monkeypatch.setattr(devices, "_held", [])
+    monkeypatch.setattr("torch.cuda.init", lambda: pytest.fail("CUDA was called"))
+
+
+def measure_on(hw: dict, model: dict):
+    from test_memory import loader_report
+
+    config = settings.load()
+    memory.solve(config["memory"] | {"mode": "measure"}, model, hw,
+                 loader_report(hw["name"], num_classes=10, resolution=32))
+
+
+def test_the_measured_solve_claims_its_gpu_and_checks_the_build_first(solve_claims_here,
+                                                                      cuda_device):
+    """A V100 under the CUDA 13 build: the solve claims a GPU of the machine, then stops in the
+    build's sentence before its first CUDA call (torch itself would only warn)."""
+    cuda_device("Tesla V100-SXM2-16GB", (7, 0))
+    with pytest.raises(hardware.UserError) as err:
+        measure_on(entry("p3"), SMALL_16)
+    assert one_sentence(str(err.value)) and "sm_70" in str(err.value)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == GPUS[0]["uuid"]  # claimed before that
+
+
+def test_the_memory_solve_refuses_emulated_bf16(solve_claims_here, cuda_device):
+    """From the entry's GPU model before anything is counted (p3's V100), and from the device's
+    capability where the entry names a GPU model this project does not know."""
+    bf16 = {**SMALL_16, "precision": "bf16-mixed"}
+    config = settings.load()
+    with pytest.raises(hardware.UserError, match=r"cluster 'p3' has V100 .*use `model.precision: "
+                                                 r"16-mixed`\.$"):
+        memory.solve(config["memory"] | {"mode": "estimate"}, bf16, entry("p3"), {})
+    cuda_device("Tesla V100-SXM2-32GB", (7, 0), archs=("sm_70", "sm_80"), cuda="12.6")
+    unknown = {**entry("p3"), "name": "lab", "gpu_model": "Volta-32"}
+    with pytest.raises(hardware.UserError, match=r"cluster 'lab' has Volta-32 GPUs \(sm_70\)"):
+        measure_on(unknown, bf16)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 
-from imgclf import hardware
+from imgclf import devices, hardware
 from imgclf.errors import UserError
 from imgclf.memory.estimate import GB, autocast_context, count_params, round_down
 
@@ -141,16 +141,20 @@ def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
     return step
 
 
-def cuda_device() -> dict:
+def cuda_device(hw: dict, precision: str) -> dict:
     """cuda:0 as the measured mode sees it: its name and total bytes, the factory of probe
     steps, and what lies outside torch's allocator (CUDA context, cuDNN and cuBLAS handles,
     lazily loaded kernels; other processes on the GPU), which is only all there after a step
-    has run."""
+    has run. Before the first CUDA call the solve claims a GPU of this machine for itself (the
+    other GPU jobs here keep theirs, see `imgclf.devices`), and the build, the driver and the
+    precision are checked against it (`imgclf.hardware.cuda_ready`, `check_precision`)."""
     import torch
 
-    if not torch.cuda.is_available():
+    devices.claim_gpus(1, f"The memory solve of cluster {hw['name']!r}")
+    if not hardware.cuda_ready(hw):
         raise UserError("`memory.mode: measure` needs a GPU but torch sees no CUDA device here: "
                         "set `memory.mode: estimate` or run solve_memory on a GPU node.")
+    hardware.check_precision(hw, precision, hardware.capability())
     torch.cuda.init()
 
     def outside_allocator() -> int:

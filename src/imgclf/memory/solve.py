@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from imgclf import provenance
+from imgclf import hardware, provenance
 from imgclf.errors import UserError
 from imgclf.memory.estimate import (GB, accumulation, breakdown, largest_fitting,
                                     model_profile, round_down)
@@ -138,7 +138,8 @@ def gpu_batch(p: Problem, gpu_here: dict | None) -> Batch:
                   limited_by="gpu_memory", capacity=capacity, budget=budget)
     if gpu_here is not None or memory["mode"] == "measure" or plans_measurement(memory, hw):
         batch.measured = measure_here(memory, p.model, hw, p.recipe, p.num_classes, estimated,
-                                      p.max_batch, p.what(), gpu_here or cuda_device())
+                                      p.max_batch, p.what(),
+                                      gpu_here or cuda_device(hw, p.model["precision"]))
         batch.per_device = batch.measured["per_device_batch"]
     else:
         batch.warnings.append(f"estimated, not measured: no {hw['gpu_model']} GPU here; rerun "
@@ -275,7 +276,9 @@ def solve(memory: dict, model: dict, hw: dict, loader: dict, gpu_here=None) -> d
     """The memory solve for cluster `hw` given the loader benchmark's report `loader`.
 
     `gpu_here` replaces the CUDA device the measured mode probes (see `cuda_device`); by
-    default the solve measures on cuda:0 when `plans_measurement` says so."""
+    default the solve measures on cuda:0 when `plans_measurement` says so. `bf16-mixed` on an
+    entry whose GPUs only emulate bfloat16 stops here, before anything is counted."""
+    hardware.check_precision(hw, model["precision"])
     p = problem(memory, model, hw, loader)
     batch = gpu_batch(p, gpu_here) if p.gpu else cpu_batch(p)
     accum = accumulation(p.target, batch.per_device, p.devices, hw["nodes"])
