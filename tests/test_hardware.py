@@ -292,6 +292,36 @@ def test_jobs_on_one_machine_claim_distinct_gpus_and_wait_for_a_free_one(nvidia_
     assert train["waited"] == 0 and run1["waited"] == 0
 
 
+CLAIM_AND_FORK = """
+import os, sys, time
+from imgclf import devices
+devices.claim_gpus(3, "test job", poll_s=0.2)
+if os.fork() == 0:  # a data-loader worker, still shutting down when the job has ended
+    for fd in (1, 2):  # not the job's output, which the job's end closes
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    time.sleep(float(sys.argv[1]))
+    os._exit(0)
+print("claimed", flush=True)
+"""
+
+
+def test_a_gpu_is_free_when_its_job_ends_though_the_job_forked(nvidia_smi, tmp_path):
+    """A job that claimed every GPU forked a process (as a DataLoader forks its workers) that
+    lives 20 s past the job's end: the next job gets the GPUs at once."""
+    import subprocess
+    import sys
+
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    job = subprocess.run([sys.executable, "-c", CLAIM_AND_FORK, "20"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert job.stdout == "claimed\n", job.stderr
+    nxt = subprocess.run([sys.executable, "-c", CLAIM, "3", "0"], env=env, capture_output=True,
+                         text=True, timeout=15)
+    assert nxt.returncode == 0, nxt.stderr
+    assert json.loads(nxt.stdout)["waited"] == 0
+
+
 def test_a_job_needing_more_gpus_than_the_machine_shows_is_one_sentence(nvidia_smi):
     from imgclf import devices
 

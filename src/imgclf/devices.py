@@ -3,15 +3,19 @@
 Snakemake caps how many GPU jobs run at once (the `gpu` resource), but it does not say which
 GPU each takes: two LR-finder runs that both chose `cuda:0` would each size themselves to 85 %
 of it and run out of memory. So a job claims the devices it uses: an exclusive lock per device
-(`flock` on a file named after the device's UUID, held until the process ends, so a killed job
-frees its GPUs), then CUDA_VISIBLE_DEVICES set to the claimed devices before CUDA starts, so
-the job, and every rank Lightning's launcher starts from it, sees exactly those (as cuda:0..n-1).
+(a POSIX record lock, `lockf`, on a file named after the device's UUID, held until the process
+ends, so a killed job frees its GPUs), then CUDA_VISIBLE_DEVICES set to the claimed devices
+before CUDA starts, so the job, and every rank Lightning's launcher starts from it, sees exactly
+those (as cuda:0..n-1). A record lock belongs to the process alone: the data-loader workers it
+forks do not hold it (a `flock` they would share, and a worker still shutting down after the
+job ended would hold the GPU from the next job).
 
 Under Slurm the scheduler already gives each job its own GPUs: a rank that srun started among
 several claims nothing (its GPU follows SLURM_LOCALID, as Lightning does it)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -44,10 +48,12 @@ def _try_lock(uuid: str):
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     f = os.fdopen(fd, "r+")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
         f.close()
-        return None
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            return None
+        raise
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
