@@ -88,3 +88,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if runs_snakemake.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.pipeline)
+
+
+@pytest.fixture
+def claims_undone(tmp_path, monkeypatch):
+    """A GPU claim made in the test's own process (imgclf.devices), undone afterwards: its locks
+    in a folder of the test's own and closed with the test, the environment variables it sets
+    restored as they were (set, then deleted: a delenv of an unset variable records nothing to
+    restore)."""
+    import tempfile
+
+    from imgclf import devices
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for name in (devices.CLAIM_ENV, "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(devices, "_held", [])

@@ -349,16 +349,9 @@ SMALL_16 = {"arch": "resnet18", "recipe": "demo", "resolution": 32, "precision":
 
 
 @pytest.fixture
-def solve_claims_here(nvidia_smi, tmp_path, monkeypatch):
-    """A memory solve's GPU claim in this process, undone afterwards: its locks in a folder of
-    the test's own, its environment variables restored, the lock files closed."""
-    import tempfile
-
-    from imgclf import devices
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.delenv(devices.CLAIM_ENV, raising=False)
-    monkeypatch.setattr(devices, "_held", [])
+def solve_claims_here(nvidia_smi, claims_undone, monkeypatch):
+    """A memory solve that claims a GPU of the stand-in nvidia-smi in this process, and fails
+    the test if it calls CUDA."""
     monkeypatch.setattr("torch.cuda.init", lambda: pytest.fail("CUDA was called"))
 
 

@@ -377,7 +377,7 @@ def test_measured_mode_out_of_memory_at_warm_up_is_one_sentence():
                      loader_report("g5"), gpu_here=device)
 
 
-def test_measure_mode_without_a_gpu_is_one_sentence(monkeypatch):
+def test_measure_mode_without_a_gpu_is_one_sentence(monkeypatch, claims_undone):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # torch sees no GPU here
     config = settings.load()
     with pytest.raises(UserError, match=r"^`memory.mode: measure` needs a GPU .*\.$"):
