@@ -4,7 +4,7 @@ import sys
 
 from snakemake.utils import min_version
 
-from imgclf import hardware, settings, slurm
+from imgclf import settings, slurm
 from imgclf.errors import UserError
 
 min_version("9.0")
@@ -24,9 +24,8 @@ except UserError as e:
 # GPU jobs (LR-finder runs, LR validation runs, training) share this machine's GPUs: without a
 # `gpu` pool from the user (--resources gpu=N, or a profile), the pool is the GPUs detected here,
 # so no more GPU jobs run at once than there are GPUs (each then claims its own; see
-# imgclf.devices). Under Slurm the scheduler gives each job its GPUs instead.
-if "gpu" not in workflow.global_resources and not slurm.workflow_on_slurm(workflow):
-    workflow.register_resource("gpu", hardware.local_device_count())
+# imgclf.devices). Under Slurm the scheduler gives each job its GPUs instead (see the function).
+slurm.declare_gpu_pool(workflow)
 
 
 # `snakemake --lint` asks every rule for a conda environment or a container. Deliberately none:

@@ -177,6 +177,24 @@ def test_gpu_jobs_ask_for_the_gpus_they_use(tmp_path):
     assert pools == {"local": None, "g5": ["gpu=4"], "p3": ["gpu=8"], "p4": ["gpu=8"]}
 
 
+def test_slurm_jobs_keep_their_gpu_requests_from_a_login_node_without_gpus(tmp_path):
+    """Submitting through Slurm from a machine without GPUs (this one), with the profile and
+    without its pool: every LR-finder run still asks for its GPU (a pool of this machine's 0
+    GPUs would lower the request to 0, and the job, submitted without a GPU, would fail when its
+    step asks for one)."""
+    work = copy_workflow(tmp_path / "wf")
+    (work / "two.yaml").write_text(
+        "clusters:\n  two: {gpus_per_node: 1, nodes: 1, cpus_per_node: 1, ram_gb: 4, "
+        "gpu_memory_gb: 16}\nlr_finder: {runs: 2}\n")
+    for extra in ([], ["--resources", "mem_mb=100000"]):  # the profile's pool, then none
+        res = subprocess.run([str(BIN / "snakemake"), "results/lr/two_summary.json", "--profile",
+                              "profiles/slurm", "-n", "--configfile", "two.yaml", *extra],
+                             cwd=work, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        runs = [b for b in res.stdout.split("\nrule ")[1:] if b.startswith("lr_find:")]
+        assert len(runs) == 2 and all(re.search(r"resources: .*\bgpu=1\b", b) for b in runs)
+
+
 STAGE_COMMANDS = ("demo-data", "check-hydration", "benchmark-loader", "solve-memory", "lr-find",
                   "lr-summary", "train", "evaluate", "provenance")
 

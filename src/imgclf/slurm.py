@@ -16,7 +16,7 @@ import shlex
 import subprocess
 import sys
 
-from imgclf.hardware import GB, MIB, usable_cpus
+from imgclf.hardware import GB, MIB, local_device_count, usable_cpus
 
 # Share of a node's RAM (the cluster entry's ram_gb) the training job asks for per node: the
 # rest stays for the OS and the node's Slurm daemons (a node's RealMemory is below its RAM).
@@ -41,6 +41,24 @@ def workflow_on_slurm(workflow) -> bool:
 
     plugin = workflow.executor_plugin
     return on_slurm(plugin.name if plugin else None, workflow.exec_mode == ExecMode.REMOTE)
+
+
+def declare_gpu_pool(workflow) -> None:
+    """Make the GPUs of this machine the workflow's `gpu` pool (while the Snakefile is parsed)
+    when the user gave none (--resources gpu=N, or a profile): no more GPU jobs run at once than
+    there are GPUs, and each claims its own (`imgclf.devices`).
+
+    Only where there are GPUs to share. Snakemake lowers a job's GPU request to the pool, and
+    chooses its executor only after parsing (`workflow.executor_plugin` is still None here), so
+    a pool of a login node's 0 GPUs would submit every GPU job of a Slurm run without its GPUs;
+    on a machine without GPUs a pool protects nothing. Inside a Slurm job there is no pool
+    either: the allocation holds the job's GPUs. (profiles/slurm gives a pool of its own, for
+    a login node that has GPUs.)"""
+    if "gpu" in workflow.global_resources or workflow_on_slurm(workflow):
+        return
+    count = local_device_count()
+    if count:
+        workflow.register_resource("gpu", count)
 
 
 def train_layout(cluster: dict) -> dict:
