@@ -184,8 +184,8 @@ def breakdown(batch: int, prof: dict, *, resolution: int, state_floats: int, wor
     A step peaks either at the start of backward (every saved activation still held, backward's
     transient beside them, no gradient yet unless an earlier micro-batch of an accumulation left
     its gradients) or in the optimizer step (full gradients, and `step_copies` temporaries of
-    the gradients: torch's foreach SGD adds the weight decay into a new list, Nesterov a second;
-    the activations are gone). The components of the smaller phase are 0."""
+    the gradients: torch's foreach SGD adds the weight decay into a new list; the activations
+    are gone). The components of the smaller phase are 0."""
     from imgclf import data
 
     act = prof["activations"]
@@ -226,10 +226,11 @@ def fake_tensor_peak(arch: str, batch: int, precision: str, recipe_name: str,
     """PyTorch's own count of the tensor bytes a training step holds at its peak, made without
     a GPU: the real model, loss and optimizer on fake tensors (no data, only sizes), the second
     of two steps (so that the optimizer state exists) under torch's MemTracker, SGD's `foreach`
-    on as it is on a GPU, AMP as CPU autocast with the GradScaler's unscale. It matches a CUDA device's
-    tensor bytes for ResNets to well under 1 %, and is the reference `breakdown` is checked
-    against; it sees nothing outside tensors (context, workspaces, fragmentation). Uses
-    private torch APIs (ImportError or AttributeError where a torch lacks them)."""
+    on as it is on a GPU, AMP as CPU autocast with the GradScaler's unscale. It is the reference
+    `breakdown` is checked against (its agreement with a CUDA device's tensor bytes is reported,
+    not checked here: no GPU); it sees nothing outside tensors (context, workspaces,
+    fragmentation). Uses private torch APIs (ImportError or AttributeError where a torch lacks
+    them)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker

@@ -11,7 +11,7 @@ import gc
 
 from imgclf import devices, hardware
 from imgclf.errors import UserError
-from imgclf.memory.estimate import GB, autocast_context, count_params, round_down
+from imgclf.memory.estimate import GB, autocast_context, round_down
 
 
 # --- when to measure --------------------------------------------------------------------------
@@ -275,14 +275,12 @@ def nothing_fits(what: str, budget: float, smallest: int, tries: int, stage: str
             f"memory.max_backoffs, or name smaller memory.probe_batches.")
 
 
-def beside_the_probes(memory: dict, hw: dict, recipe, arch: str, num_classes: int) -> dict:
+def beside_the_probes(memory: dict, hw: dict, recipe, counts: dict) -> dict:
     """Bytes training holds on each GPU that a probe (one GPU, no DDP, no EMA) never
     allocates: DDP's gradient buckets and NCCL's buffers (the `memory.nccl_gb` allowance) when
     training runs on several devices, and the recipe's moving average of the weights (a second
-    copy of parameters and buffers on the same device, Lightning's WeightAveraging)."""
-    from imgclf import recipes
-
-    counts = count_params(recipes.build_model(arch, num_classes))
+    copy of parameters and buffers on the same device, Lightning's WeightAveraging). `counts`:
+    the model's parameter and buffer bytes (`count_params`)."""
     several = hw["devices_per_node"] * hw["nodes"] > 1
     return {"ddp_buckets": counts["param_bytes"] if several else 0,
             "nccl": int(memory["nccl_gb"] * GB) if several else 0,
@@ -290,8 +288,8 @@ def beside_the_probes(memory: dict, hw: dict, recipe, arch: str, num_classes: in
                             if recipe.ema_decay is not None else 0)}
 
 
-def measure_here(memory, model, hw, recipe, num_classes, estimate_batch, max_batch, what,
-                 device: dict) -> dict:
+def measure_here(memory, model, hw, recipe, num_classes, counts, estimate_batch, max_batch,
+                 what, device: dict) -> dict:
     """Measured mode on `device` (see `cuda_device`); probes at 1/4, 1/2 and 3/4 of the
     estimated batch unless `memory.probe_batches` names them. The budget is the safety margin
     of the GPU's memory less what lies outside torch's allocator and what training holds beside
@@ -313,7 +311,7 @@ def measure_here(memory, model, hw, recipe, num_classes, estimate_batch, max_bat
                         f"at batch 1, before any budget applied.") from None
     capacity = min(total, hw["gpu_memory_gb"] * GB)
     outside = device["outside_allocator"]()
-    beside = beside_the_probes(memory, hw, recipe, model["arch"], num_classes)
+    beside = beside_the_probes(memory, hw, recipe, counts)
     budget = memory["safety_margin"] * capacity - outside - sum(beside.values())
     if memory["probe_batches"] == "auto":
         e = max(estimate_batch, 4)

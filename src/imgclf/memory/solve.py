@@ -137,8 +137,8 @@ def gpu_batch(p: Problem, gpu_here: dict | None) -> Batch:
     batch = Batch(per_device=estimated, fitting=fitting, estimated=estimated,
                   limited_by="gpu_memory", capacity=capacity, budget=budget)
     if gpu_here is not None or memory["mode"] == "measure" or plans_measurement(memory, hw):
-        batch.measured = measure_here(memory, p.model, hw, p.recipe, p.num_classes, estimated,
-                                      p.max_batch, p.what(),
+        batch.measured = measure_here(memory, p.model, hw, p.recipe, p.num_classes, p.prof,
+                                      estimated, p.max_batch, p.what(),
                                       gpu_here or cuda_device(hw, p.model["precision"]))
         batch.per_device = batch.measured["per_device_batch"]
     else:
