@@ -32,6 +32,7 @@ HOW = {
     # needs a g5's 4 GPUs; test_train.py checks the sentence a machine without them gives
     "snakemake train --profile profiles/g5": DRY,
     "snakemake results/lr/g5_summary.json": REAL,
+    "snakemake results/forecast/g5.json": REAL,
     "snakemake train --profile profiles/slurm": DRY,
     # the same stages as the g5 LR stage above, which runs for real
     "snakemake results/memory/p4.json --cores all": DRY,
@@ -58,6 +59,7 @@ HOW = {
 # What a real run must leave behind, beyond exit status 0 and no traceback.
 LEAVES = {
     "snakemake results/lr/g5_summary.json": ["results/lr/g5_summary.json"],
+    "snakemake results/forecast/g5.json": ["results/forecast/g5.json"],
     "imgclf check-hydration --cluster g5 --restore": ["results/hydration/g5.train.tsv"],
     "imgclf lr-find --cluster g5 --runs 3 --batch-size 32":
         [f"results/lr/g5/run{i}.json" for i in range(3)],
@@ -222,3 +224,20 @@ def test_real_run_as_typed(command, work, real_runs):
     assert "Traceback" not in out
     for path in LEAVES.get(command, []):
         assert (work / path).is_file(), (command, path)
+
+
+def test_a_plan_for_gpus_this_machine_lacks_gets_no_forecast(work, real_runs):
+    """The g5 plan made on this machine (no A10G): the forecast says it is none for that
+    hardware and gives only the input-bound rate."""
+    import json
+
+    res = real_runs("snakemake results/forecast/g5.json")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    f = json.loads((work / "results/forecast/g5.json").read_text())
+    assert not f["forecast_for_entry"] and f["total_s"] is None and "cost" not in f
+    assert re.fullmatch(r"the LR runs ran on cpu \(.+\), not on a A10G of entry 'g5'",
+                        f["why_not"]), f["why_not"]
+    assert f["input_bound_images_per_s"] == pytest.approx(
+        4 * f["loader_images_per_s_per_device"], abs=0.1)
+    log = (work / "logs/forecast/g5.log").read_text()
+    assert f"No forecast of time or cost: {f['why_not']}." in log

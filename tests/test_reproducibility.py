@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import hashlib
+import html
 import json
 import re
 import shutil
@@ -104,8 +105,12 @@ def table(name: str) -> str:
 # The jobs downstream of each stage, inclusive (the DAG of Snakefile; 2 LR runs in REDUCED).
 EVAL = {"evaluate", table("eval"), "all"}
 TRAIN = {"train_model"} | EVAL
+# training takes the forecast as `ancient`: a new forecast (a price) does not retrain
+FORECAST = {"forecast", table("forecast"), "all"}
+# the training's settings file, which the forecast reads: a change of training's params
+SETTINGS = {"train_settings"} | FORECAST | TRAIN
 LR_SUMMARY = {"summarize_lr", table("lr")} | TRAIN
-LR = {"lr_find[run=0]", "lr_find[run=1]"} | LR_SUMMARY
+LR = {"lr_find[run=0]", "lr_find[run=1]"} | LR_SUMMARY | FORECAST
 MEMORY = {"solve_memory", table("memory")} | LR
 LOADER = {"benchmark_loader", table("loader")} | MEMORY
 # the optional LR validation, default grid: planned only when training takes its LR from it
@@ -116,7 +121,7 @@ HYDRATION = {"check_hydration", "all"}
 # new demo images: the demo and the check; the stages after it read the check's file index and
 # are planned once the check has run and found a changed census
 DATA = {"prepare_demo_data"} | HYDRATION
-TABLES = {table(t) for t in ("loader", "memory", "lr", "eval")}
+TABLES = {table(t) for t in ("loader", "memory", "lr", "forecast", "eval")}
 
 CONFIG_CASES = {
     "dataset: demo images": ("demo: {jpeg_quality: 90}", DATA),
@@ -124,7 +129,7 @@ CONFIG_CASES = {
     "hydration": ("hydration: {read_sample_files: 100}", HYDRATION),
     "loader": ("loader: {tolerance: 0.1}", LOADER),
     "memory": ("memory: {safety_margin: 0.8}", MEMORY),
-    "model.arch (not timed by the loader)": ("model: {arch: resnet34}", MEMORY),
+    "model.arch (not timed by the loader)": ("model: {arch: resnet34}", MEMORY | SETTINGS),
     "lr_finder: one range test": ("lr_finder: {num_iter: 30}", LR),
     "lr_finder: aggregation": ("lr_finder: {scaling: sqrt}", LR_SUMMARY),
     # how a finished curve is read is the summary's: never a range test again
@@ -133,15 +138,24 @@ CONFIG_CASES = {
     "lr_finder: skip_end": ("lr_finder: {skip_end: 3}", LR_SUMMARY),
     "lr_finder: gradient": ("lr_finder: {gradient: index}", LR_SUMMARY),
     "lr_finder: until_minimum": ("lr_finder: {until_minimum: false}", LR_SUMMARY),
-    "train": ("train: {epochs: 3}", TRAIN),
+    "train": ("train: {epochs: 3}", SETTINGS),
+    "train: a key the forecast does not read": ("train: {save_top_k: 2}", SETTINGS),
+    # the two at once (Snakemake's `ancient` would otherwise hide training's own change)
+    "train and the price": ("train: {epochs: 3}\nclusters: {local: {price_per_hour: 4.5}}",
+                            SETTINGS),
     # not in `all`: its grid reaches training only through `train.lr_source: validation`
     # (tests/test_lr_validation.py edits the grid of a run that trained on it)
     "validate_lr without lr_source validation": ("validate_lr: {multiples: [0.5, 1, 2]}", set()),
-    "train.lr_source: validation": ("train: {lr_source: validation}", VALIDATION | TRAIN),
+    "train.lr_source: validation": ("train: {lr_source: validation}", VALIDATION | SETTINGS),
     "evaluate": ("evaluate: {top_confused: 5}", EVAL),
     "hardware: g5 entry": ("clusters: {g5: {gpu_memory_gb: 48}}", set()),
     "hardware: local read floor": ("clusters: {local: {min_read_mb_s: 0.5}}", HYDRATION),
-    "hardware: local CPU ranks": ("clusters: {local: {cpu_processes: 3}}", LOADER),
+    "hardware: local CPU ranks": ("clusters: {local: {cpu_processes: 3}}", LOADER | SETTINGS),
+    "hardware: local price": ("clusters: {local: {price_per_hour: 4.5}}", FORECAST),
+    "hardware: local scaling efficiency": ("clusters: {local: {scaling_efficiency: 0.8}}",
+                                           FORECAST),
+    "hardware: local partition time limit": ("clusters: {local: {slurm_time_limit_minutes: 60}}",
+                                             set()),
     "no-op": (None, set()),
 }
 
@@ -168,6 +182,7 @@ CODE_CASES = {
     "train/module.py": ("train/module.py", (), TRAIN),
     "lr_validation.py (imported by training)": ("lr_validation.py", (), TRAIN),
     "evaluate.py": ("evaluate.py", (), EVAL),
+    "forecast.py": ("forecast.py", (), FORECAST),
     "report_tables.py": ("report_tables.py", (), TABLES | {"all"}),
     # the stages up to the LR summary do not run evaluate.py
     "evaluate.py, unrelated to the LR summary": ("evaluate.py", ("results/lr/local_summary.json",),
@@ -270,7 +285,8 @@ def test_census_change_propagates_through_the_handoff(demo_run, tmp_path):
     new = json.loads(handoff.read_text())
     assert new["census_digest"] != old["census_digest"]
     assert new["files"]["train"] == old["files"]["train"] + 1
-    assert plan(clone) == LOADER - {"benchmark_loader"}
+    # the census is also one of the training's settings
+    assert plan(clone) == (LOADER | {"train_settings"}) - {"benchmark_loader"}
 
 
 # --- provenance -------------------------------------------------------------------------------
@@ -282,8 +298,14 @@ DECLARED_INPUTS = {
     "results/lr/local/run0.json": ["results/memory/local.json"],
     "results/lr/local_summary.json": ["results/lr/local/run0.json", "results/lr/local/run1.json",
                                       "results/memory/local.json"],
+    "results/forecast/local.json": ["results/lr/local/run0.json", "results/lr/local/run1.json",
+                                    "results/loader/local.json", "results/memory/local.json",
+                                    "results/train/local.settings.json",
+                                    "results/hydration/local.train.tsv",
+                                    "results/hydration/local.val.tsv"],
     "results/train/local/train_summary.json": ["results/memory/local.json",
-                                               "results/lr/local_summary.json"],
+                                               "results/lr/local_summary.json",
+                                               "results/forecast/local.json"],
     "results/eval/local.json": ["results/memory/local.json", "results/train/local/best.ckpt"],
 }
 VERSIONS = ("python", "torch", "torchvision", "lightning", "torch-lr-finder", "snakemake")
@@ -341,7 +363,7 @@ def test_provenance_command_prints_it_readably(demo_run):
 
 # --- determinism --------------------------------------------------------------------------------
 
-VOLATILE = {"provenance", "wall_time_s", "images_per_s", "seconds"}
+VOLATILE = {"provenance", "wall_time_s", "images_per_s", "seconds", "timing"}
 
 
 def stable(path: Path) -> dict:
@@ -381,7 +403,8 @@ def test_two_complete_runs_agree_on_the_cpu(demo_run, tmp_path):
 FIGURES = ("results/hydration/local.png", "results/loader/local.png", "results/memory/local.png",
            "results/lr/local.png", "results/train/local/curves.png",
            "results/eval/local_confusion.png")
-REPORT_TABLES = tuple(f"results/report/local/{t}.html" for t in ("loader", "memory", "lr", "eval"))
+REPORT_TABLES = tuple(f"results/report/local/{t}.html"
+                      for t in ("loader", "memory", "lr", "eval", "forecast"))
 
 
 def report_results(html: str) -> dict:
@@ -410,6 +433,35 @@ def test_report_embeds_every_figure_and_table_with_a_caption(demo_run):
     assert f"<td>{loader['choice']['decoder']}</td>" in (demo_run / REPORT_TABLES[0]).read_text()
     ev = json.loads((demo_run / "results/eval/local.json").read_text())
     assert f"{100 * ev['top1']:.2f} %" in (demo_run / REPORT_TABLES[3]).read_text()
+
+
+def test_the_forecast_comes_before_training_and_beside_its_outcome(demo_run):
+    """The forecast of the shared run: its CPU ranks measured, its line in the training log
+    before the first step, the pace in each progress line, and forecast against actual in the
+    training summary and the report's table."""
+    from imgclf import forecast
+
+    f = json.loads((demo_run / "results/forecast/local.json").read_text())
+    assert f["forecast_for_entry"] and f["epochs"] == REDUCED["train"]["epochs"]
+    assert f["scaling_efficiency"]["source"] == "measured here"
+    assert f["scaling_efficiency"]["detail"]["ranks"] == f["world_size"] == 2
+    log = (demo_run / "logs/train/local.log").read_text()
+    first_step = log.index("imgclf.train INFO epoch 1/2")
+    assert log.index(f"Forecast: {forecast.sentence(f)}") < first_step
+    progress = re.findall(r"imgclf\.train INFO epoch \d/2, .*", log)
+    assert progress and all(re.search(r", \d:\d\d:\d\d elapsed, \d:\d\d:\d\d left, \d+ % "
+                                      r"(behind|ahead of) the forecast$", line)
+                            for line in progress), progress
+    s = json.loads((demo_run / "results/train/local/train_summary.json").read_text())
+    against = s["against_forecast"]
+    assert against["forecast"]["total_s"] == f["total_s"]
+    epochs = s["images_per_s_by_epoch"]
+    assert against["actual"]["seconds"] == pytest.approx(
+        sum(e["seconds"] + e["val_seconds"] for e in epochs), abs=0.02)
+    assert against["actual"]["bound"] in ("compute", "input")
+    assert "results/forecast/local.json" in s["provenance"]["inputs"]
+    page = (demo_run / "results/report/local/forecast.html").read_text()
+    assert html.escape(forecast.sentence(f)) in page
 
 
 # --- lint and format ----------------------------------------------------------------------------

@@ -41,8 +41,10 @@ PROFILE = Path(__file__).resolve().parents[1] / "profiles/slurm/config.yaml"
 
 def sbatch_line(cluster: dict, resources: dict | None = None, rule: str = "train_model") -> str:
     """The sbatch command the Slurm plugin builds from a job's resources (by default the
-    training job's) and the profile's set-resources for its rule (training: runtime, the
-    --deadline in slurm_extra)."""
+    training job's) and the profile's set-resources for its rule, after the plugin's check of
+    its slurm_extra."""
+    from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
+
     if resources is None:
         resources = slurm.train_resources(cluster, True)
     res = {k: v for k, v in resources.items() if v is not None}
@@ -50,6 +52,7 @@ def sbatch_line(cluster: dict, resources: dict | None = None, rule: str = "train
     # Snakemake evaluates a string resource of a profile as a Python expression
     res.update({k: ast.literal_eval(v) if isinstance(v, str) else v for k, v in profile.items()})
     job = SimpleNamespace(resources=ResourceList(fromdict=res), threads=2)
+    validate_slurm_extra(job)  # raises for an option the plugin manages itself
     params = {"run_uuid": "run", "slurm_logfile": "log", "comment_str": "rule_train_model",
               "account": "", "partition": " -p debug", "workdir": "/w"}
     return get_submit_command(job, params) + set_gres_string(job)
@@ -67,13 +70,44 @@ def test_p4_on_two_nodes_asks_for_one_task_per_gpu():
     assert r["mem_mb_per_cpu"] == int(1152e9 / 2**20 * 0.9) // 96 == 10299
     line = sbatch_line(P4X2)
     for flag in ("--nodes=2", "--ntasks-per-node=8", "--cpus-per-task=12", "--gres=gpu:a100:8",
-                 "--mem-per-cpu 10299", "-t 2880", "--deadline=now+4320minutes"):
+                 "--mem-per-cpu 10299"):
         assert flag in line, line
     # --gpus would count GPUs per job, --ntasks-per-gpu conflicts with --ntasks-per-node
     assert "--gpus" not in line and "--ntasks-per-gpu" not in line, line
 
 
-def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_node_for_no_srun():
+def test_training_asks_for_its_forecast_time_and_requeues_at_the_partition_limit(tmp_path):
+    forecast = tmp_path / "forecast.json"
+    p4 = {**P4X2, "slurm_time_limit_minutes": 2880}
+
+    def request(total_s):
+        forecast.write_text(json.dumps({"total_s": total_s}))
+        res = {**slurm.train_resources(p4, True),
+               "runtime": slurm.train_runtime(str(forecast), p4),
+               "slurm_extra": slurm.train_slurm_extra(str(forecast), p4)}
+        return res["runtime"], sbatch_line(p4, res)
+
+    # 10 h by the forecast: 10 h x 1.25 + 10 min; one start, a day to begin
+    runtime, line = request(36000)
+    assert runtime == 760 and "-t 760" in line, line
+    for flag in ("--requeue", "--signal=USR1@300", "--open-mode=append",
+                 f"--deadline=now+{1440 + 760 + 3}minutes"):
+        assert flag in line, line
+    # 90 h: the partition's 48 h, and room in the deadline for 3 starts (each after a requeue)
+    runtime, line = request(90 * 3600)
+    assert runtime == 2880 and "-t 2880" in line, line
+    assert f"--deadline=now+{1440 + 3 * (2880 + 3)}minutes" in line, line
+    # no forecast for the entry's hardware: the partition's limit, requeue as needed
+    runtime, line = request(None)
+    assert runtime == 2880 and "--requeue" in line and "--deadline=now+4323minutes" in line
+    # a short limit: the signal at half of it (Slurm may send it up to a minute early)
+    short = {**p4, "slurm_time_limit_minutes": 2}
+    forecast.write_text(json.dumps({"total_s": 600}))
+    assert slurm.train_runtime(str(forecast), short) == 2
+    assert "--signal=USR1@60 " in slurm.train_slurm_extra(str(forecast), short)
+
+
+def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_takes_one_srun_task():
     assert slurm.train_resources(CPU2, True)["mpi"].startswith(
         f"{slurm.STEP_RUNNER} srun --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 ")
     line = sbatch_line(CPU2)
@@ -81,7 +115,10 @@ def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_node_for_no_srun():
     assert "gpu" not in line, line
     one = {**P4X2, "nodes": 1, "gpus_per_node": 1, "devices_per_node": 1}
     r = slurm.train_resources(one, True)
-    assert r["mpi"] == "" and r["tasks"] is None and r["tasks_per_node"] is None
+    assert r["tasks"] is None and r["tasks_per_node"] is None
+    # one task under srun all the same: Slurm signals a step's tasks before the time limit
+    assert r["mpi"].endswith("srun --nodes=1 --ntasks-per-node=1 --cpus-per-task=96 "
+                             "--kill-on-bad-exit=1"), r["mpi"]
     two_nodes = {**P4X2, "gpus_per_node": 1, "devices_per_node": 1}
     r = slurm.train_resources(two_nodes, True)
     assert (r["tasks"], r["tasks_per_node"], r["tasks_per_gpu"]) == (2, None, 0)
@@ -145,14 +182,19 @@ def test_cpu_ranks_share_the_cores_unless_slurm_bound_them(monkeypatch):
         assert slurm.cpu_threads_per_rank(2) == max(1, cpus // 2)
 
 
-def test_readme_shows_the_p4_2x8_lines_the_plugin_builds():
+def test_readme_shows_the_p4_2x8_lines_the_plugin_builds(tmp_path):
     """The README's sbatch and srun lines for p4 as 2 x 8 are the ones the plugin and the rule
     make (the sbatch options in the plugin's order, then the GRES it appends)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     m = re.search(r"one sbatch job with\s+`(?P<sbatch>[^`]+)`.*?srun step\s+`(?P<srun>[^`]+)`",
                   readme, re.S)
     assert m, "README: the p4x2 paragraph no longer quotes the sbatch and srun lines"
-    line = sbatch_line(P4X2).replace(" -D /w", "")  # the working directory: where you run it
+    forecast = tmp_path / "forecast.json"  # the README's example: 20 hours by the forecast
+    forecast.write_text(json.dumps({"total_s": 20 * 3600}))
+    p4 = {**P4X2, "slurm_time_limit_minutes": 2880}
+    res = {**slurm.train_resources(p4, True), "runtime": slurm.train_runtime(str(forecast), p4),
+           "slurm_extra": slurm.train_slurm_extra(str(forecast), p4)}
+    line = sbatch_line(p4, res).replace(" -D /w", "")  # the working directory: where you run it
     options = line[line.index(" -p "):]
     assert " ".join(m["sbatch"].split()) == " ".join(options.split()), (m["sbatch"], options)
     assert m["srun"] == slurm.srun_command(P4X2) + " imgclf train ..."
@@ -486,6 +528,46 @@ def test_killed_rank_then_cancelled_job_then_resume_loses_nothing(slurm_demo):
               (work / TRAIN_DIR / "metrics.csv").read_text().splitlines()[1:]]
     assert sorted(set(epochs)) == list(range(s["epochs_planned"])), epochs
     assert (work / "results/eval/ci2x1.json").is_file()
+
+
+# A training longer than the partition's time limit of 1 minute (the signal comes 30 s before
+# it, up to a minute early): 12 epochs of the demo over the 2 nodes take longer.
+REQUEUE_YAML = """\
+clusters: {ci2x1: {slurm_time_limit_minutes: 1}}
+train: {epochs: 12, limit_train_batches: null, limit_val_batches: 2}
+"""
+
+
+def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
+    """The training job asks for the forecast's time capped by the partition's limit, is
+    signalled before it, saves last.ckpt, requeues itself under the same job id and resumes,
+    until it completes with every epoch's metrics: one successful job for Snakemake, several
+    runs of it in Slurm's accounting."""
+    work, _ = slurm_demo
+    (work / "requeue.yaml").write_text(REQUEUE_YAML)
+    rc, out = run_slurm(work, "train", configfiles=("requeue.yaml",), timeout=1500)
+    assert rc == 0, out[-6000:]
+    job = slurm_job_of(out, "train_model")  # submitted once
+    assert "forecast" in rules_submitted(out) and not set(UPSTREAM) & rules_submitted(out)
+    runs = subprocess.run(["sacct", "-D", "-X", "-P", "-n", "-j", job, "-o",
+                           "JobID,State,TimelimitRaw"], capture_output=True, text=True,
+                          check=True).stdout.split()
+    states = [r.split("|")[1] for r in runs]
+    assert states.count("REQUEUED") >= 1 and states[-1] == "COMPLETED", runs
+    assert {r.split("|")[2] for r in runs} == {"1"}, runs  # minutes: the partition's limit
+    s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
+    assert s["completed"] and s["epochs_run"] == s["epochs_planned"] == 12
+    assert s["attempts"] == states.count("REQUEUED") + 1, (s["attempts"], runs)
+    log = (work / "logs/train/ci2x1.log").read_text()
+    saved = re.findall(r"Slurm's time limit is near: saved \S+last\.ckpt at epoch (\d+), step "
+                       r"(\d+), and requeued the job, which resumes from it", log)
+    resumed = re.findall(r"resuming from \S+last\.ckpt \(epoch (\d+), step (\d+)\)", log)
+    assert saved and saved == resumed[-len(saved):], (saved, resumed)
+    metrics = (work / TRAIN_DIR / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    val = [row.split(",") for row in metrics[1:]]
+    val = {int(float(r[header.index("epoch")])) for r in val if r[header.index("val/acc1")]}
+    assert val == set(range(12)), sorted(val)
 
 
 def test_a_node_down_while_training_is_queued_fails_at_the_deadline(slurm_demo):

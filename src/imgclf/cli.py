@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from imgclf import settings, stage
+from imgclf import settings, slurm, stage
 
 
 def _common(p: argparse.ArgumentParser, cluster=True) -> None:
@@ -112,13 +112,14 @@ def _stage_params(args, make) -> tuple[dict, str]:
 
 
 def cmd_train(args):
+    slurm.catch_requeue_signal()  # before the imports that take seconds
     from imgclf import train
 
     params, name = _stage_params(args, settings.train_params)
     default_lr = settings.lr_file(settings.section(params, "train")["lr_source"], name)
     summary = train.run(params, args.memory or f"results/memory/{name}.json",
                         args.lr_summary or default_lr,
-                        args.out_dir or f"results/train/{name}")
+                        args.out_dir or f"results/train/{name}", args.forecast)
     if summary is not None:  # global rank 0
         print(json.dumps({"best_val_acc1": summary["best"]["val_acc1"],
                           "best_epoch": summary["best"]["epoch"],
@@ -264,6 +265,9 @@ def _ddp_commands(sub) -> None:
                         "`train.lr_source: validation` the LR validation JSON (default "
                         "results/lr/CLUSTER_validation.json)")
     p.add_argument("--out-dir", default=None, help="default results/train/CLUSTER")
+    p.add_argument("--forecast", default=None,
+                   help="forecast JSON (results/forecast/CLUSTER.json): log the pace against it "
+                        "and record forecast against actual")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("evaluate", help="top-1/top-5, per-class accuracy, confusion matrix")
@@ -278,7 +282,9 @@ def _ddp_commands(sub) -> None:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    stage.run(lambda: args.fn(args), getattr(args, "log", None))
+    # a training's log keeps what each attempt wrote (a resumed or requeued run appends)
+    stage.run(lambda: args.fn(args), getattr(args, "log", None),
+              append=args.fn is cmd_train)
 
 
 if __name__ == "__main__":

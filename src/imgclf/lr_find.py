@@ -19,6 +19,7 @@ from imgclf.errors import UserError
 from imgclf.provenance import read_json, write_artifact
 
 log = logging.getLogger(__name__)
+EVAL_STEPS = 5  # forward passes timed after each range test
 SCALING_RULES = ("linear", "sqrt", "none")
 # `lr_finder.scaling: auto`: SGD-type optimizers scale linearly with the batch (Goyal et al. 2017);
 # adaptive ones (LAMB, Adam family) by the square root, as timm's train.py does by default
@@ -115,12 +116,27 @@ def _amp(precision: str, device) -> dict:
             "grad_scaler": torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)}
 
 
-def _batches(loader, mixer, device):
+def _batches(loader, mixer, device, waits: list):
     """The loader's batches as training sees them: copied to the device, then through the
     recipe's MixUp/CutMix, if any, there (torch-lr-finder's own hook for changing batches,
     `TrainDataLoaderIter`; its own copy to the device then finds them in place). Mixing after
-    the copy keeps it off the CPU's main thread, as in training."""
+    the copy keeps it off the CPU's main thread, as in training. The seconds spent waiting for
+    each batch from the loader go to `waits`: a step's time less its wait is what the device
+    computed (the forecast's compute-bound rate)."""
     from torch_lr_finder import TrainDataLoaderIter
+
+    class TimedLoader:
+        dataset = loader.dataset
+
+        def __iter__(self):
+            batches = iter(loader)
+            while True:
+                start = time.perf_counter()
+                batch = next(batches, None)
+                if batch is None:
+                    return
+                waits.append(time.perf_counter() - start)
+                yield batch
 
     class MixedBatches(TrainDataLoaderIter):
         def inputs_labels_from_batch(self, batch):
@@ -128,24 +144,45 @@ def _batches(loader, mixer, device):
             labels = batch[1].to(device, non_blocking=True)
             return mixer(inputs, labels) if mixer is not None else (inputs, labels)
 
-    return MixedBatches(loader)
+    return MixedBatches(TimedLoader())
 
 
 def _finder(net, optimizer, criterion, device, amp: dict):
     """torch-lr-finder's LRFinder that also keeps the raw per-step losses (it stores only the
-    smoothed ones)."""
+    smoothed ones) and each step's seconds (its loss's `.item()` waits for the device, so a
+    GPU step is timed to its end)."""
     from torch_lr_finder import LRFinder
 
     class RecordingLRFinder(LRFinder):
         def _train_batch(self, *args, **kwargs):
+            start = time.perf_counter()
             loss = super()._train_batch(*args, **kwargs)
+            self.step_seconds.append(time.perf_counter() - start)
             self.raw.append(loss)
             return loss
 
     finder = RecordingLRFinder(net, optimizer, criterion, device=device,
                                **{k: v for k, v in amp.items() if k != "precision"})
-    finder.raw = []
+    finder.raw, finder.step_seconds = [], []
     return finder
+
+
+def _eval_seconds(net, loader, device, amp: dict, steps: int = EVAL_STEPS) -> list[float]:
+    """Seconds of `steps` forward passes in eval mode at the run's batch, after one untimed
+    (the validation pass of training, for the forecast), on the model as it was before the
+    range test."""
+    import torch
+
+    images = next(iter(loader))[0].to(device)
+    autocast = amp.get("amp_config", {"device_type": device.type, "enabled": False})
+    seconds = []
+    net.eval()
+    with torch.no_grad(), torch.autocast(**autocast):
+        for _ in range(steps + 1):
+            start = time.perf_counter()
+            net(images).float().sum().item()
+            seconds.append(time.perf_counter() - start)
+    return [round(s, 5) for s in seconds[1:]]
 
 
 def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
@@ -176,11 +213,16 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
     finder = _finder(net, recipes.build_optimizer(net, recipe, lr=cfg["start_lr"]),
                      recipes.build_loss(recipe), device, amp)
     accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1
-    start = time.perf_counter()
-    finder.range_test(_batches(loader, mixer, device), start_lr=cfg["start_lr"], end_lr=cfg["end_lr"],
+    start, waits = time.perf_counter(), []
+    finder.range_test(_batches(loader, mixer, device, waits), start_lr=cfg["start_lr"], end_lr=cfg["end_lr"],
                       num_iter=cfg["num_iter"], step_mode="exp", smooth_f=cfg["smooth_f"],
                       diverge_th=cfg["diverge_th"], accumulation_steps=accumulation)
     seconds = time.perf_counter() - start
+    finder.reset()  # the model and optimizer as they were before the range test
+    timing = {"step_seconds": [round(x, 5) for x in finder.step_seconds],
+              "data_wait_seconds": _per_step(waits, accumulation, len(finder.step_seconds)),
+              "eval_seconds": _eval_seconds(net, loader, device, amp),
+              "device_name": _device_name(device)}
     history = {"lr": [float(x) for x in finder.history["lr"]],
                "smoothed_loss": [float(x) for x in finder.history["loss"]],
                "loss": [float(x) for x in finder.raw]}
@@ -200,8 +242,22 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
         "diverged": diverged,
         "diverged_at": None if stop is None else {"iteration": stop, "lr": history["lr"][stop]},
         "first_nonfinite_iteration": nonfinite[0] if nonfinite else None,
-        "history": history, "wall_time_s": round(seconds, 2),
+        "history": history, "wall_time_s": round(seconds, 2), "timing": timing,
     }
+
+
+def _per_step(waits: list[float], accumulation: int, steps: int) -> list[float]:
+    """The loader waits of each optimizer step (`accumulation` batches each)."""
+    return [round(sum(waits[i * accumulation:(i + 1) * accumulation]), 5) for i in range(steps)]
+
+
+def _device_name(device) -> str:
+    """What the forecast checks against the hardware entry's GPU model."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "mps" if device.type == "mps" else f"cpu ({hardware.cpu_model()})"
 
 
 def _mixing_note(recipe) -> str:

@@ -1,5 +1,5 @@
-"""The key tables of the Snakemake report: chosen loader settings, memory solve, LR summary and
-evaluation, each a small self-contained HTML page made from its stage's JSON.
+"""The key tables of the Snakemake report: chosen loader settings, memory solve, LR summary,
+the training's forecast and evaluation, each a small self-contained HTML page made from its stage's JSON.
 
 HTML rather than TSV because the report shows an HTML result inline and offers any other text
 file only as a download. One page per stage, so a change reruns only the tables it touches."""
@@ -15,18 +15,20 @@ from imgclf.provenance import atomic_path, read_json
 
 log = logging.getLogger(__name__)
 
-TABLES = ("loader", "memory", "lr", "eval")
+TABLES = ("loader", "memory", "lr", "forecast", "eval")
 # the stage JSON each table is made from ({cluster}: the hardware entry)
 SOURCES = {
     "loader": "results/loader/{cluster}.json",
     "memory": "results/memory/{cluster}.json",
     "lr": "results/lr/{cluster}_summary.json",
+    "forecast": "results/forecast/{cluster}.json",
     "eval": "results/eval/{cluster}.json",
 }
 TITLES = {
     "loader": "Chosen loader settings",
     "memory": "Memory solve",
     "lr": "LR-finder summary",
+    "forecast": "Forecast of the training's time and cost",
     "eval": "Evaluation of the best checkpoint",
 }
 MAX_CLASS_ROWS = 100
@@ -149,8 +151,38 @@ def eval_tables(d: dict) -> list[tuple]:
              confused)]
 
 
+def forecast_tables(d: dict) -> list[tuple]:
+    from imgclf.forecast import hms, sentence
+
+    rows = [("forecast", sentence(d))]
+    if d["forecast_for_entry"]:
+        eff, t = d["scaling_efficiency"], d["step_timing"]
+        rows += [
+            ("images/s", f"{d['images_per_s']:.0f} ({d['bound']}-bound; compute "
+                         f"{d['compute_bound_images_per_s']:.0f}, input "
+                         f"{d['input_bound_images_per_s']:.0f}); {d['overlap']}"),
+            ("one device", f"{t['compute_s']:.4g} s per batch of {d['per_device_batch']}, "
+                           f"{t['eval_s']:.4g} s per forward pass ({t['source']})"),
+            ("scaling efficiency", f"{eff['value']:.3f} over {d['world_size']} devices "
+                                   f"({eff['source']})"),
+            ("epoch", f"{d['epoch_s']:.1f} s ({d['train_batches_per_epoch']} training and "
+                      f"{d['val_batches_per_epoch']} validation batches per device)"),
+            ("total", f"{hms(d['total_s'])} for {d['epochs']} epochs; {d['device_hours']:.3f} "
+                      f"device-hours, {d['node_hours']:.3f} node-hours"),
+            ("cost", f"no price: set `clusters.{d['cluster']}.price_per_hour`" if d["cost"] is None
+             else f"{d['cost']:.2f} at {d['price_per_hour']} per node-hour"),
+            ("not included", d["excludes"]),
+        ]
+    else:
+        rows.append(("input-bound rate", f"{d['input_bound_images_per_s']:.0f} images/s over "
+                                         f"{d['world_size']} devices, as measured here"))
+    if d.get("loader_note"):
+        rows.append(("loader benchmark", d["loader_note"]))
+    return [("Forecast", ("quantity", "value"), rows)]
+
+
 BUILDERS = {"loader": loader_tables, "memory": memory_tables, "lr": lr_tables,
-            "eval": eval_tables}
+            "forecast": forecast_tables, "eval": eval_tables}
 STYLE = ("body{font-family:sans-serif;font-size:13px;margin:1em}"
          "table{border-collapse:collapse;margin-bottom:1.2em}"
          "th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}"

@@ -161,16 +161,18 @@ def cluster(config: dict, name: str) -> dict:
 # keys of a hardware entry that only the hydration check reads (data_root reaches the other
 # stages as their own `root`), and those that only shape a Slurm request
 HYDRATION_HW_KEYS = ("min_read_mb_s", "data_root")
-SLURM_HW_KEYS = ("slurm_gpu_request", "slurm_gpu_type")
+SLURM_HW_KEYS = ("slurm_gpu_request", "slurm_gpu_type", "slurm_time_limit_minutes")
+# keys that only the forecast reads: a price edit replans the forecast and nothing else
+FORECAST_HW_KEYS = ("price_per_hour", "scaling_efficiency")
 
 
 def stage_hardware(config: dict, name: str) -> dict:
-    """The resolved hardware entry without the hydration check's keys and the Slurm request's,
-    for the stages after the check: relaxing a cluster's read-throughput floor or renaming its
-    GPU type for Slurm must not replan the loader benchmark, the memory solve or training,
-    which never read them."""
+    """The resolved hardware entry without the hydration check's keys, the Slurm request's and
+    the forecast's, for the stages after the check: relaxing a cluster's read-throughput floor,
+    renaming its GPU type for Slurm or editing its price must not replan the loader benchmark,
+    the memory solve or training, which never read them."""
     return {k: v for k, v in cluster(config, name).items()
-            if k not in HYDRATION_HW_KEYS + SLURM_HW_KEYS}
+            if k not in HYDRATION_HW_KEYS + SLURM_HW_KEYS + FORECAST_HW_KEYS}
 
 
 # What a single-device stage needs of its hardware entry: which device kind, and which GPU model
@@ -324,6 +326,17 @@ def lr_summary_params(config: dict, cluster_name: str) -> dict:
     optimizer picks the scaling rule, its LR is the reference)."""
     return canonical({"cfg": {k: config["lr_finder"][k] for k in SUMMARY_KEYS},
                       "recipe_name": config["model"]["recipe"]})
+
+
+def forecast_params(config: dict, cluster_name: str) -> dict:
+    """forecast: the hardware entry with its price and scaling efficiency, and `model.*` (the
+    CPU ranks' measurement builds the model); the training's epochs and batch limits come from
+    its settings file, the other stages' figures from their artifacts."""
+    return canonical({
+        "hw": {k: v for k, v in cluster(config, cluster_name).items()
+               if k not in HYDRATION_HW_KEYS + SLURM_HW_KEYS},
+        "model": config["model"],
+    })
 
 
 def train_params(config: dict, cluster_name: str) -> dict:

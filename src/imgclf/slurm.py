@@ -10,11 +10,14 @@ SLURM_NODELIST; the port from the job id): no MASTER_ADDR or NODE_RANK is set by
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 from imgclf.hardware import GB, MIB, local_device_count, usable_cpus
 
@@ -137,7 +140,7 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
     Outside Slurm: the GPUs it takes from the `gpu` pool of `--resources`, and an empty `mpi`.
     Under Slurm: the allocation, and in `mpi` the srun line the rule puts before the command.
     Any `mpi` key makes the plugin leave the launch to the rule instead of wrapping it in
-    `srun -n1`, which would give DDP a single task; a single-task job needs no srun."""
+    `srun -n1`, which would give DDP a single task."""
     lay = train_layout(cluster)
     gpus, world = lay["gpus_per_node"], lay["world_size"]
     if not slurm:
@@ -160,13 +163,98 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
         "tasks_per_gpu": 0 if gpus else None,
         "cpus_per_task": lay["cpus_per_task"],
         "mem_mb_per_cpu": lay["mem_mb_per_node"] // (per_node * lay["cpus_per_task"]),
-        "mpi": f"{STEP_RUNNER} {srun_command(cluster)}" if world > 1 else "",
+        # srun even for one task: Slurm sends the requeue signal to a step's tasks only
+        "mpi": f"{STEP_RUNNER} {srun_command(cluster)}",
     }
 
 
 def train_resource(workflow, cluster: dict, key: str):
     """One of train_resources, as the rule's resource lambdas ask for it."""
     return train_resources(cluster, workflow_on_slurm(workflow))[key]
+
+
+# --- trainings longer than the partition's time limit ----------------------------------------
+#
+# The training job asks for the forecast's time with a margin, up to the entry's
+# `slurm_time_limit_minutes`. Slurm sends SIGUSR1 to the training ranks REQUEUE_LEAD_S before
+# the limit (--signal, no `B:`: the step's tasks, not the batch shell); the ranks agree on it at
+# their next check, save last.ckpt and requeue the job (`scontrol requeue`: the same job id,
+# which the executor plugin keeps waiting on), which starts again and resumes from it.
+RUNTIME_MARGIN = 1.25  # the forecast misses by up to 15 % on this project's benchmarks
+STARTUP_MINUTES = 10  # start-up, data set index, loader workers, checkpoint writes
+REQUEUE_LEAD_S = 300  # a check (10 batches), a validation pass, a checkpoint, Slurm's 60 s
+START_WITHIN_MINUTES = 1440  # a training job not started a day after its submission is removed
+REQUEUE_DELAY_MINUTES = 3  # a requeued job waits out Slurm's cred_expire (120 s) first
+
+
+def train_minutes(forecast: dict | None) -> float | None:
+    """Minutes the whole training takes by the forecast, with its margin; None without one."""
+    if not forecast or forecast.get("total_s") is None:
+        return None
+    return forecast["total_s"] * RUNTIME_MARGIN / 60 + STARTUP_MINUTES
+
+
+def train_runtime(forecast_path: str, cluster: dict) -> int:
+    """The training job's time request in minutes: the forecast's with its margin, capped by
+    the partition's limit (`slurm_time_limit_minutes`; also what a plan without a forecast for
+    its hardware asks for)."""
+    from imgclf.provenance import read_json
+
+    limit = int(cluster["slurm_time_limit_minutes"])
+    minutes = train_minutes(read_json(forecast_path))
+    return limit if minutes is None else max(1, min(limit, math.ceil(minutes)))
+
+
+def train_slurm_extra(forecast_path: str, cluster: dict) -> str:
+    """sbatch options of the training job: requeue at the time limit (the output file appended
+    to, not truncated, by the next start) and a deadline that leaves a day to start and room
+    for every requeued start."""
+    from imgclf.provenance import read_json
+
+    runtime = train_runtime(forecast_path, cluster)
+    minutes = train_minutes(read_json(forecast_path)) or runtime
+    starts = math.ceil(minutes / runtime)
+    deadline = START_WITHIN_MINUTES + starts * (runtime + REQUEUE_DELAY_MINUTES)
+    lead = min(REQUEUE_LEAD_S, runtime * 30)
+    return (f"--requeue --signal=USR1@{lead} --open-mode=append "
+            f"--deadline=now+{deadline}minutes")
+
+
+_requeue_asked = False
+
+
+def catch_requeue_signal() -> None:
+    """In a training rank that srun started: note Slurm's SIGUSR1 (its default action would end
+    the rank) for the training to act on at its next check. Installed first thing, so that a
+    signal during start-up is caught too; Lightning then installs no handler of its own, and a
+    loader worker forked later only notes it in its own memory."""
+    def note(signum, frame):
+        global _requeue_asked
+        _requeue_asked = True
+
+    if "SLURM_PROCID" in os.environ and "SLURM_JOB_ID" in os.environ:
+        signal.signal(signal.SIGUSR1, note)
+
+
+def requeue_asked() -> bool:
+    return _requeue_asked
+
+
+def requeue_job() -> bool:
+    """`scontrol requeue` this job (it must have been submitted with --requeue); whether it
+    took."""
+    job = os.environ["SLURM_JOB_ID"]
+    res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if res.returncode:
+        sys.stderr.write(f"scontrol requeue {job} failed: {res.stderr.strip()}\n")
+    return res.returncode == 0
+
+
+def wait_for_the_requeue(seconds: float = 600) -> None:
+    """After `scontrol requeue`: Slurm ends this run of the job within seconds; training must
+    not go on past its checkpoint meanwhile."""
+    time.sleep(seconds)
+    raise RuntimeError(f"the job was requeued but still ran {seconds:.0f} s later")
 
 
 def cpu_threads_per_rank(devices_per_node: int) -> int:

@@ -112,6 +112,8 @@ SlurmctldHost=$host($NET.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job waits this long before it starts again (Slurm's default 120 s)
+AuthInfo=cred_expire=30
 StateSaveLocation=$STATE/ctld
 SlurmctldPidFile=$STATE/slurmctld.pid
 SlurmctldLogFile=$STATE/slurmctld.log

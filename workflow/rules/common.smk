@@ -3,7 +3,7 @@ import json
 import sys
 from pathlib import Path
 
-from imgclf import lr_validation, report_tables
+from imgclf import lr_validation, provenance, report_tables
 
 # the CLI of the environment Snakemake runs in (it need not be on PATH)
 IMGCLF = str(Path(sys.executable).parent / "imgclf")
@@ -96,13 +96,14 @@ def all_targets(cluster):
         f"results/loader/{cluster}.json",
         f"results/memory/{cluster}.json",
         f"results/lr/{cluster}_summary.json",
+        f"results/forecast/{cluster}.json",
         f"results/eval/{cluster}.json",
         *(f"results/report/{cluster}/{table}.html" for table in report_tables.TABLES),
     ]
 
 
 def train_targets(cluster):
-    return [f"results/train/{cluster}/best.ckpt"]
+    return [f"results/forecast/{cluster}.json", f"results/train/{cluster}/best.ckpt"]
 
 
 def lr_summary_input(wildcards):

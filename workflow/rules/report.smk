@@ -2,11 +2,14 @@
 # that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
 rule report_table:
     """One key table of the HTML report (chosen loader settings, memory solve, LR summary,
-    evaluation) as a small HTML page: the report shows HTML inline, a TSV only as a download.
-    """
+    forecast, evaluation) as a small HTML page: the report shows HTML inline, a TSV only as a
+    download."""
     input:
         json=report_table_source,
-        code=code("report_tables"),
+        # the forecast's table words it with the forecast's own sentence
+        code=lambda wc: code(
+            "report_tables", *(["forecast"] if wc.table == "forecast" else [])
+        ),
     output:
         report(
             "results/report/{cluster}/{table}.html",

@@ -1,5 +1,28 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
 # that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+rule train_settings:
+    """The training's settings (its params) as a file, rewritten when they change: the forecast
+    reads its epochs and batch limits here, and training takes it as an ordinary input. That
+    input is what reruns training after a change of its settings in the same invocation as a
+    rerun of the forecast: training takes the forecast as `ancient`, and Snakemake does not look
+    at the own reasons of a job below a rerunning `ancient` input (snakemake/snakemake#4166).
+    """
+    input:
+        # the check's file indexes (`ancient`): the settings hold its census, known once it ran
+        train_index=train_index,
+        val_index=val_index,
+    output:
+        "results/train/{cluster}.settings.json",
+    log:
+        "logs/train/{cluster}_settings.log",
+    localrule: True
+    params:
+        p=lambda wc: settings.train_params(config, wc.cluster),
+    run:
+        provenance.write_artifact(output[0], params.p, config_slice=params.p)
+        Path(log[0]).write_text(f"wrote {output[0]}\n")
+
+
 rule train_model:
     """Lightning DDP training from a real CLI entry point: Lightning's DDP launcher re-executes
     the command line, which a `script:` temp file would not survive; under Slurm, `srun` (in
@@ -9,6 +32,9 @@ rule train_model:
     input:
         memory="results/memory/{cluster}.json",
         lr=lr_summary_input,
+        settings="results/train/{cluster}.settings.json",
+        # `ancient`: a new price or a rerun forecast changes the bill, not the training
+        forecast=ancient("results/forecast/{cluster}.json"),
         train_index=train_index,
         val_index=val_index,
         code=code(
@@ -37,6 +63,9 @@ rule train_model:
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
         **training_resources(),
+        # under Slurm: the forecast's time up to the partition's limit, then a requeue
+        runtime=lambda wc, input: slurm.train_runtime(input.forecast, hw(wc)),
+        slurm_extra=lambda wc, input: slurm.train_slurm_extra(input.forecast, hw(wc)),
     params:
         p=lambda wc: json.dumps(
             settings.train_params(config, wc.cluster), sort_keys=True
@@ -45,7 +74,7 @@ rule train_model:
         imgclf=IMGCLF,
     shell:
         "{resources.mpi} {params.imgclf} train --params-json {params.p:q}"
-        " --memory {input.memory} {params.lr}"
+        " --memory {input.memory} {params.lr} --forecast {input.forecast}"
         " --out-dir results/train/{wildcards.cluster} --log {log}"
 
 

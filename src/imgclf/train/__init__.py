@@ -31,13 +31,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 
 from imgclf import devices, hardware, lr_validation, provenance, recipes, settings, slurm
+from imgclf import forecast as forecasting
 from imgclf.data import BadImageError
 from imgclf.index import BAD_FILES, add_bad_file, read_bad_files
 from imgclf.errors import UserError
 from imgclf.plan import LRSummary, Plan
 from imgclf.train import summary as after
-from imgclf.train.callbacks import (AtomicCheckpointIO, RunRecorder, Throughput,
-                                    ValidateAtStepBudget, progress_callbacks)
+from imgclf.train.callbacks import (AtomicCheckpointIO, RequeueAtTimeLimit, RunRecorder,
+                                    Throughput, ValidateAtStepBudget, progress_callbacks)
 from imgclf.train.ema import for_recipe
 from imgclf.train.module import ImageClassifier, ImageData, datasets, warmup_steps
 from imgclf.train.resume import agreed_resume, supersede, train_digest
@@ -276,16 +277,22 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
 
 
-def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
-    """Train on every rank; return the summary on global rank 0, None elsewhere."""
+def run(params: dict, memory_path, lr_summary_path, out_dir,
+        forecast_path=None) -> dict | None:
+    """Train on every rank; return the summary on global rank 0, None elsewhere. With the
+    forecast of results/forecast/{cluster}.json (`forecast_path`), it logs the bill before the
+    first step, its pace in the progress lines, and forecast against actual in the summary."""
     t_start = time.perf_counter()
     job = prepare(params, memory_path, lr_summary_path, out_dir)
     fresh = job.resume["path"] is None
+    expected = forecasting.read(forecast_path) if forecast_path else None
     if rank_zero_only.rank == 0:
         if fresh:
             supersede(job.out_dir, "logs")
         log.info("%s", job.resume["note"])
         log.info("LR %.5g from %s (%s)", job.lr["value"], job.lr["source"], job.lr["detail"])
+        if expected is not None:
+            log.info("Forecast: %s", forecasting.sentence(expected))
     quiet_lightning()
     L.seed_everything(job.t["seed"], workers=True, verbose=False)
     model_cfg = params["model"]
@@ -306,13 +313,15 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
     checkpoint = ModelCheckpoint(
         dirpath=job.out_dir / "checkpoints", filename=CKPT_NAME, auto_insert_metric_name=False,
         monitor="val/acc1", mode="max", save_top_k=int(job.t["save_top_k"]), save_last=True)
-    bars, show_bar = progress_callbacks(throughput)
+    bars, show_bar = progress_callbacks(throughput, (expected or {}).get("total_s"))
     ema_warmup = min(job.recipe.warmup_epochs, job.epochs / 2) if job.warmup_fraction is None \
         else job.warmup_fraction * job.epochs
     ema = for_recipe(job.recipe, global_batch=job.plan.global_batch, epochs=job.epochs,
                      warmup_epochs=ema_warmup)
     callbacks = [throughput, recorder, checkpoint, *bars, *([ema] if ema else []),
-                 *([ValidateAtStepBudget(job.max_steps)] if job.max_steps else [])]
+                 *([ValidateAtStepBudget(job.max_steps)] if job.max_steps else []),
+                 *([RequeueAtTimeLimit(job.out_dir / "checkpoints")]
+                   if slurm.task_info() else [])]
     trainer = build_trainer(job, loggers, callbacks, show_bar)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=job.resume["path"])
@@ -327,11 +336,11 @@ def run(params: dict, memory_path, lr_summary_path, out_dir) -> dict | None:
         raise
     if not trainer.is_global_zero:
         return None
-    return finish(job, trainer, datamodule, checkpoint, throughput, recorder, t_start)
+    return finish(job, trainer, datamodule, checkpoint, throughput, recorder, t_start, expected)
 
 
 def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
-           t_start: float) -> dict:
+           t_start: float, expected: dict | None = None) -> dict:
     """Rank 0 after fit: metrics, curves, best.ckpt and train_summary.json."""
     total_steps = int(trainer.estimated_stepping_batches)
     metrics = after.write_outputs(job.out_dir, Path(recorder.csv_logger.root_dir), job.epochs,
@@ -346,6 +355,7 @@ def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
         **after.results(metrics, throughput),
         "wall_seconds": round(time.perf_counter() - t_start, 2),
         "wall_seconds_all_attempts": round(recorder.wall_seconds(), 2),
+        "against_forecast": after.against_forecast(expected, throughput, job.plan.num_workers),
         "attempts": recorder.attempts,
         "peak_gpu_memory_gb": recorder.peak_gpu_gb,
         **run_shape(job, trainer),
@@ -365,7 +375,8 @@ def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
         "checkpoint_dir": str(job.out_dir / "checkpoints"),
         "seed": job.t["seed"],
     }
-    inputs = [job.plan.path] + ([job.lr["file"]] if "file" in job.lr else [])
+    inputs = [job.plan.path] + ([job.lr["file"]] if "file" in job.lr else []) \
+        + ([expected["path"]] if expected else [])
     written = provenance.write_artifact(job.out_dir / "train_summary.json", summary,
                                         config_slice={**job.params, "train": job.t},
                                         inputs=inputs)

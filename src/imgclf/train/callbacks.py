@@ -23,21 +23,28 @@ log = logging.getLogger("imgclf.train")
 
 
 class Throughput(Callback):
-    """Training images/s per epoch (data loading included, validation excluded), kept in the
-    checkpoint so the summary covers every attempt."""
+    """Training images/s per epoch (data loading included, validation excluded), the seconds
+    spent waiting for the loader between batches, and each validation pass's seconds: what the
+    forecast predicted, kept in the checkpoint so the summary covers every attempt."""
 
     def __init__(self):
         self.epochs: list[dict] = []
-        self._t0 = self._t_last = None
+        self._t0 = self._t_last = self._t_val = None
+        self._loader_turn = None  # when the last batch ended: from then on the loader's turn
         self._n = 0
+        self._wait = 0.0
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self._t0 = self._t_last = time.perf_counter()
-        self._n = 0
+        self._t0 = self._t_last = self._loader_turn = time.perf_counter()
+        self._n, self._wait = 0, 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._loader_turn is not None:
+            self._wait += time.perf_counter() - self._loader_turn
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._n += batch[0].shape[0] * trainer.world_size
-        self._t_last = time.perf_counter()
+        self._t_last = self._loader_turn = time.perf_counter()
 
     def rate(self) -> float | None:
         if not self._n or self._t_last <= self._t0:
@@ -46,6 +53,13 @@ class Throughput(Callback):
 
     def on_validation_start(self, trainer, pl_module):
         self._close_epoch(trainer)
+        self._t_val = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module):
+        if self.epochs and self._t_val is not None and not trainer.sanity_checking \
+                and self.epochs[-1]["epoch"] == trainer.current_epoch:
+            self.epochs[-1]["val_seconds"] = round(time.perf_counter() - self._t_val, 3)
+        self._loader_turn = None  # a validation in mid-epoch is not the loader's turn
 
     def on_train_epoch_end(self, trainer, pl_module):
         self._close_epoch(trainer)
@@ -57,7 +71,8 @@ class Throughput(Callback):
             return
         secs = self._t_last - self._t0
         self.epochs.append({"epoch": trainer.current_epoch, "images": self._n,
-                            "seconds": round(secs, 3), "images_per_s": round(self._n / secs, 1)})
+                            "seconds": round(secs, 3), "images_per_s": round(self._n / secs, 1),
+                            "loader_wait_seconds": round(self._wait, 3)})
 
     def state_dict(self):
         return {"epochs": self.epochs}
@@ -84,36 +99,70 @@ class ProgressBar(TQDMProgressBar):
 
 class ProgressLines(Callback):
     """In a log file: one plain line every `every_s` seconds and at the end of each epoch
-    (epoch, batch, loss, images/s), where a bar would write carriage-return noise."""
+    (epoch, batch, loss, images/s, elapsed, time left, and the pace against the forecast),
+    where a bar would write carriage-return noise."""
 
-    def __init__(self, throughput: Throughput, every_s: float = PLAIN_EVERY_S):
-        self.throughput, self.every_s = throughput, every_s
+    def __init__(self, throughput: Throughput, forecast_s: float | None = None,
+                 every_s: float = PLAIN_EVERY_S):
+        self.throughput, self.forecast_s, self.every_s = throughput, forecast_s, every_s
         self._last = 0.0
+        self._start = None  # (time, fraction of the training done) when this attempt began
 
-    def _line(self, trainer, what: str) -> None:
+    def on_train_start(self, trainer, pl_module):
+        self._start = (time.monotonic(), done_fraction(trainer, 0))
+
+    def _line(self, trainer, what: str, batches: int) -> None:
         loss = trainer.callback_metrics.get("train/loss")
         rate = self.throughput.rate()
-        log.info("epoch %d/%d, %s%s%s", trainer.current_epoch + 1, trainer.max_epochs, what,
+        log.info("epoch %d/%d, %s%s%s%s", trainer.current_epoch + 1, trainer.max_epochs, what,
                  "" if loss is None else f", loss {float(loss):.4f}",
-                 "" if rate is None else f", {rate:.0f} img/s")
+                 "" if rate is None else f", {rate:.0f} img/s", self._pace(trainer, batches))
+
+    def _pace(self, trainer, batches: int) -> str:
+        """', 0:01:10 elapsed, 0:03:20 left, 4 % behind the forecast' for this attempt."""
+        from imgclf.forecast import hms
+
+        if self._start is None:
+            return ""
+        t0, f0 = self._start
+        elapsed, done = time.monotonic() - t0, done_fraction(trainer, batches) - f0
+        if done <= 0:
+            return ""
+        text = f", {hms(elapsed)} elapsed, {hms(elapsed * (1 - f0 - done) / done)} left"
+        if self.forecast_s:
+            pace = elapsed / (self.forecast_s * done) - 1
+            text += f", {abs(100 * pace):.0f} % {'behind' if pace > 0 else 'ahead of'} the forecast"
+        return text
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         now = time.monotonic()
         if trainer.is_global_zero and now - self._last >= self.every_s:
             self._last = now
-            self._line(trainer, f"batch {batch_idx + 1}/{trainer.num_training_batches}")
+            self._line(trainer, f"batch {batch_idx + 1}/{trainer.num_training_batches}",
+                       batch_idx + 1)
 
     def on_validation_end(self, trainer, pl_module):
         acc = trainer.callback_metrics.get("val/acc1")
         if trainer.is_global_zero and not trainer.sanity_checking and acc is not None:
-            self._line(trainer, f"val/acc1 {float(acc):.4f}")
+            self._line(trainer, f"val/acc1 {float(acc):.4f}", trainer.num_training_batches)
 
 
-def progress_callbacks(throughput: Throughput) -> tuple[list[Callback], bool]:
-    """(callbacks, enable_progress_bar): Lightning's bar on a terminal, plain lines otherwise."""
+def done_fraction(trainer, batches_this_epoch: int) -> float:
+    """How much of the training is done: epochs and batches, or steps of a step budget."""
+    per_epoch = trainer.num_training_batches or 1
+    done = (trainer.current_epoch + min(1.0, batches_this_epoch / per_epoch)) / trainer.max_epochs
+    if trainer.max_steps and trainer.max_steps > 0:
+        done = max(done, trainer.global_step / trainer.max_steps)
+    return min(1.0, done)
+
+
+def progress_callbacks(throughput: Throughput,
+                       forecast_s: float | None = None) -> tuple[list[Callback], bool]:
+    """(callbacks, enable_progress_bar): Lightning's bar on a terminal, plain lines otherwise
+    (with the pace against the forecast's `forecast_s` seconds for the whole training)."""
     if sys.stdout.isatty():
         return [ProgressBar(throughput)], True
-    return [ProgressLines(throughput)], False
+    return [ProgressLines(throughput, forecast_s)], False
 
 
 class RunRecorder(Callback):
@@ -175,6 +224,35 @@ class RunRecorder(Callback):
     def load_state_dict(self, state_dict):
         self.attempts = state_dict.get("attempts", 0)
         self.wall_before = state_dict.get("wall_seconds", 0.0)
+
+
+class RequeueAtTimeLimit(Callback):
+    """Under Slurm, at the signal Slurm sends before the job's time limit (slurm.py): every
+    `every` batches the ranks agree whether any got it (a one-number all-reduce); then all save
+    last.ckpt, rank 0 requeues the job, and they wait for Slurm to end this run. The next run
+    resumes from that checkpoint, mid-epoch."""
+
+    def __init__(self, ckpt_dir: Path, every: int = 10):
+        self.ckpt_dir, self.every = ckpt_dir, every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.every:
+            return
+        asked = torch.tensor([float(slurm.requeue_asked())], device=pl_module.device)
+        if float(trainer.strategy.reduce(asked, reduce_op="max")) == 0:
+            return
+        path = self.ckpt_dir / "last.ckpt"
+        trainer.save_checkpoint(path)
+        requeued = True
+        if trainer.is_global_zero:
+            requeued = slurm.requeue_job()
+            log.info("Slurm's time limit is near: saved %s at epoch %d, step %d, and %s", path,
+                     trainer.current_epoch, trainer.global_step,
+                     "requeued the job, which resumes from it" if requeued else
+                     "could not requeue the job (submitted without --requeue?): training goes on")
+        requeued = bool(trainer.strategy.broadcast(requeued))
+        if requeued:
+            slurm.wait_for_the_requeue()
 
 
 class ValidateAtStepBudget(Callback):

@@ -10,6 +10,10 @@ import torch
 
 from imgclf import plots, provenance
 
+# With loader workers, a training whose batches waited for the loader this share of the time
+# or more was input-bound (a compute-bound one waits only for the first batches).
+INPUT_BOUND_WAIT = 0.1
+
 def merge_metrics(csv_root: Path):
     """One table over all attempts of this run: each attempt's rows up to where the next
     attempt resumed (the epoch a killed attempt had started is redone by the next)."""
@@ -70,6 +74,36 @@ def results(metrics, throughput) -> dict:
         "images_per_s_by_epoch": ep,
         "train_seconds": round(secs, 2),
     }
+
+
+def against_forecast(forecast: dict | None, throughput, workers: int) -> dict | None:
+    """The forecast beside what the epochs took: seconds of training and validation, images/s,
+    and which bound held (the loader's share of the training time: with loader workers any
+    wait means the input bounds; with 0 workers the training process decodes between steps,
+    and the input bounds when decoding took longer than computing)."""
+    if forecast is None:
+        return None
+    ep = throughput.epochs
+    train_s = sum(e["seconds"] for e in ep)
+    if not ep or not train_s:
+        return None
+    wait_share = sum(e.get("loader_wait_seconds", 0.0) for e in ep) / train_s
+    actual = {"seconds": round(train_s + sum(e.get("val_seconds", 0.0) for e in ep), 2),
+              "images_per_s": round(sum(e["images"] for e in ep) / train_s, 1),
+              "bound": "input" if wait_share > (INPUT_BOUND_WAIT if workers else 0.5)
+              else "compute",
+              "loader_wait_share": round(wait_share, 3), "epochs_timed": len(ep)}
+    if not forecast.get("forecast_for_entry"):
+        return {"forecast_for_entry": False, "why_not": forecast.get("why_not"),
+                "actual": actual}
+    expected_s = forecast["total_s"] * len(ep) / forecast["epochs"]
+    return {"forecast_for_entry": True,
+            "forecast": {"seconds": round(expected_s, 2), "images_per_s": forecast["images_per_s"],
+                         "bound": forecast["bound"], "total_s": forecast["total_s"]},
+            "actual": actual,
+            "time_error": round(actual["seconds"] / expected_s - 1, 4),
+            "what": "training and validation passes of the epochs timed; start-up and "
+                    "checkpoint writes are in neither"}
 
 
 def write_outputs(out_dir: Path, csv_root: Path, epochs: int, total_steps: int) -> object:

@@ -1,0 +1,316 @@
+"""The bill before training: how long the planned training takes, in device-hours and money,
+from what the stages upstream measured.
+
+Images per second for the whole job is the smaller of two rates, the compute-bound one (one
+device's step time at the per-device batch, from the LR-finder runs, times the devices, times
+a scaling efficiency) and the input-bound one (the loader benchmark's images/s per device times
+the devices). Loading and computing overlap when loader workers decode; with 0 workers the
+training process decodes between steps, so the two times add instead.
+
+Where the figures hold: the LR runs time the entry's own device only when they ran on it. A g5
+plan run on a laptop gets no forecast of its time or cost, only the input-bound rate. The CPU
+ranks of a `local` entry are timed here (one rank alone, then all ranks side by side): the LR
+runs use one thread, a rank its share of the cores, and the ratio is the measured scaling
+efficiency."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import statistics
+import time
+
+from imgclf import cuda_builds, index, recipes, slurm
+from imgclf.errors import UserError
+from imgclf.plan import Plan
+from imgclf.provenance import read_json, write_artifact
+
+log = logging.getLogger(__name__)
+WARMUP_STEPS = 5  # steps of each LR run left out (allocator, cuDNN autotuning, first batches)
+MEASURE_STEPS = (3, 15)  # untimed, timed training steps per CPU measurement
+# The published ResNet-50 mixed-precision strong scaling of 8-GPU NVLink nodes (NVIDIA's
+# DeepLearningExamples: 6.72x on a DGX A100, 6.93x on a DGX-1 V100 16 GB): the assumption
+# for an entry with several devices that sets no `scaling_efficiency` of its own.
+DEFAULT_SCALING_EFFICIENCY = 0.85
+
+
+# --- what the LR runs measured --------------------------------------------------------------
+
+def lr_run_timing(runs: list[dict]) -> dict:
+    """Median seconds of one micro-batch (a step less its loader wait, over the accumulated
+    batches) and of one forward pass, over every LR run's steps after the warm-up and before a
+    non-finite loss."""
+    compute, evals = [], []
+    for r in runs:
+        t = r.get("timing")
+        if t is None:
+            raise UserError(f"LR run {r.get('run')} has no step timing (written by an older "
+                            f"version): rerun it with `snakemake --forcerun lr_find`.")
+        stop = r.get("first_nonfinite_iteration") or len(t["step_seconds"])
+        compute += [(s - w) / r["accumulation_steps"] for s, w in
+                    zip(t["step_seconds"][WARMUP_STEPS:stop], t["data_wait_seconds"][WARMUP_STEPS:stop])]
+        evals += t["eval_seconds"]
+    if not compute:
+        raise UserError(f"The LR runs have no timed step after the first {WARMUP_STEPS}: raise "
+                        f"`lr_finder.num_iter`.")
+    return {"compute_s": statistics.median(compute), "eval_s": statistics.median(evals),
+            "steps": len(compute), "batch": runs[0]["batch_size"],
+            "devices": sorted({r["timing"]["device_name"] for r in runs})}
+
+
+def not_on_entry_device(runs: list[dict], hw: dict) -> str | None:
+    """Why the LR runs did not time the entry's own device (None when they did)."""
+    kinds = {r["device"].split(":")[0] for r in runs}
+    names = sorted({r["timing"]["device_name"] for r in runs})
+    want = {"gpu": "cuda", "mps": "mps", "cpu": "cpu"}[hw["accelerator"]]
+    if kinds != {want}:
+        return (f"the LR runs ran on {', '.join(names)}, not on a {hw['gpu_model']} of entry "
+                f"{hw['name']!r}" if want == "cuda" else
+                f"the LR runs ran on {', '.join(names)}, not on entry {hw['name']!r}'s {want}")
+    if want == "cuda" and not all(cuda_builds.gpu_matches(hw["gpu_model"], n) for n in names):
+        return f"the LR runs ran on {', '.join(names)}, not on entry {hw['name']!r}'s {hw['gpu_model']}"
+    return None
+
+
+# --- CPU ranks, measured here ---------------------------------------------------------------
+
+def _rank_steps(rank: int, world: int, port: int, spec: dict, results) -> None:
+    """One CPU rank of the measurement: DDP (gloo) training steps, then forward passes, on
+    random images at the per-device batch; rank 0 reports the median seconds of each."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    recipe = recipes.get(spec["recipe"])
+    net = recipes.build_model(spec["arch"], spec["classes"], recipe.drop_path)
+    if spec["channels_last"]:
+        net = net.to(memory_format=torch.channels_last)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    optimizer = recipes.build_optimizer(net, recipe, lr=1e-4)
+    criterion = recipes.build_loss(recipe)
+    size = recipe.train_size(spec["resolution"])
+    images = torch.randn(spec["batch"], 3, size, size)
+    labels = torch.randint(spec["classes"], (spec["batch"],))
+    autocast = {"device_type": "cpu", "dtype": torch.bfloat16,
+                "enabled": spec["precision"] == "bf16-mixed"}
+    warm, timed = MEASURE_STEPS
+    step_s = []
+    for _ in range(warm + timed):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(**autocast):
+            loss = criterion(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        step_s.append(time.perf_counter() - start)
+    dist.barrier()
+    net.eval()
+    eval_images = torch.randn(spec["batch"], 3, spec["resolution"], spec["resolution"])
+    eval_s = []
+    with torch.no_grad(), torch.autocast(**autocast):
+        for _ in range(warm + timed):
+            start = time.perf_counter()
+            net(eval_images)
+            eval_s.append(time.perf_counter() - start)
+    dist.barrier()
+    if rank == 0:
+        results.put({"step_s": statistics.median(step_s[warm:]),
+                     "eval_s": statistics.median(eval_s[warm:])})
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(world: int, spec: dict) -> dict:
+    """`world` ranks side by side in forked processes (a `script:` stage cannot be re-imported,
+    as spawning would), each with the torch threads training gives a rank."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank_steps, args=(r, world, port, spec, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"a CPU rank of the scaling measurement failed (exit codes "
+                           f"{[p.exitcode for p in procs]}); its error is above")
+    return results.get(timeout=10)
+
+
+def measure_cpu_ranks(model: dict, plan: Plan, classes: int) -> dict:
+    """Seconds per step of one CPU rank alone and of one node's ranks side by side, and their
+    ratio, the scaling efficiency of this machine's CPU ranks."""
+    world = plan.devices_per_node
+    spec = {**{k: model[k] for k in ("arch", "recipe", "resolution", "precision",
+                                     "channels_last")},
+            "classes": classes, "batch": plan.per_device_batch,
+            "threads": slurm.cpu_threads_per_rank(plan.devices_per_node)}
+    alone = _run_ranks(1, spec)
+    together = alone if world == 1 else _run_ranks(world, spec)
+    return {"ranks": world, "threads_per_rank": spec["threads"], "steps": MEASURE_STEPS[1],
+            "step_s_alone": alone["step_s"], "step_s_together": together["step_s"],
+            "eval_s_together": together["eval_s"],
+            "efficiency": min(1.0, alone["step_s"] / together["step_s"]),
+            "what": "random images at the per-device batch, DDP over gloo, no loader"}
+
+
+# --- the forecast -----------------------------------------------------------------------------
+
+def batches_per_rank(images: int, world: int, batch: int, train: bool, limit) -> int:
+    """Batches one rank runs per epoch, as training's loaders make them: a distributed sampler
+    pads the images to a multiple of the world; training drops a ragged last batch."""
+    per_rank = math.ceil(images / world)
+    n = per_rank // batch if train and per_rank >= batch else math.ceil(per_rank / batch)
+    if limit is None:
+        return n
+    return min(n, int(limit)) if isinstance(limit, int) or limit > 1 else int(n * limit)
+
+
+def step_model(compute_s: float, load_s: float, workers: int) -> tuple[float, str]:
+    """Seconds per batch and the bound: loader workers overlap decoding with compute, 0 workers
+    decode in the training process between steps."""
+    bound = "compute" if compute_s >= load_s else "input"
+    return (max(compute_s, load_s) if workers else compute_s + load_s), bound
+
+
+def plan_forecast(*, timing: dict, loader_rate: float, plan: Plan, hw: dict, efficiency: dict,
+                  train_images: int, val_images: int, epochs: int, limits: dict) -> dict:
+    """Time, device-hours and cost of the training from one device's times (`timing`: compute
+    and forward seconds per batch), the loader's images/s per device and the scaling
+    efficiency."""
+    world, batch = plan.world_size, plan.per_device_batch
+    compute_s = timing["compute_s"] / efficiency["value"]
+    load_s = batch / loader_rate
+    step_s, bound = step_model(compute_s, load_s, plan.num_workers)
+    eval_s, _ = step_model(timing["eval_s"], load_s, plan.num_workers)
+    train_batches = batches_per_rank(train_images, world, batch, True, limits["train"])
+    val_batches = batches_per_rank(val_images, world, batch, False, limits["val"])
+    epoch_train_s, epoch_val_s = train_batches * step_s, val_batches * eval_s
+    total_s = epochs * (epoch_train_s + epoch_val_s)
+    hours = total_s / 3600
+    price = hw.get("price_per_hour")
+    return {
+        "images_per_s": round(world * batch / step_s, 1),
+        "compute_bound_images_per_s": round(world * batch / compute_s, 1),
+        "input_bound_images_per_s": round(world * loader_rate, 1),
+        "bound": bound,
+        "overlap": "loader workers decode while the device computes" if plan.num_workers
+        else "0 workers: the training process decodes between steps (times add)",
+        "epochs": epochs, "train_batches_per_epoch": train_batches,
+        "val_batches_per_epoch": val_batches,
+        "epoch_s": round(epoch_train_s + epoch_val_s, 2),
+        "epoch_train_s": round(epoch_train_s, 2), "epoch_val_s": round(epoch_val_s, 2),
+        "total_s": round(total_s, 1),
+        "device_hours": round(hours * world, 3),
+        "node_hours": round(hours * plan.nodes, 3),
+        "cost": None if price is None else round(hours * plan.nodes * price, 2),
+        "price_per_hour": price,
+    }
+
+
+def efficiency_of(hw: dict, plan: Plan, measured: dict | None) -> dict:
+    """The scaling efficiency used and where it comes from: measured over one node's CPU ranks
+    (across nodes: set or assumed), set by the entry, or assumed."""
+    key = f"`clusters.{hw['name']}.scaling_efficiency`"
+    assumed = hw.get("scaling_efficiency")
+    why = (f"set by {key}" if assumed is not None else
+           f"assumed: {DEFAULT_SCALING_EFFICIENCY}, NVIDIA's published 8-GPU NVLink scaling of "
+           f"ResNet-50; set {key} for this entry")
+    assumed = DEFAULT_SCALING_EFFICIENCY if assumed is None else assumed
+    if measured is not None:
+        if plan.nodes == 1:
+            return {"value": measured["efficiency"], "source": "measured here",
+                    "detail": measured}
+        return {"value": measured["efficiency"] * assumed, "detail": measured,
+                "source": f"measured here over one node's ranks, times {assumed} across "
+                          f"{plan.nodes} nodes ({why})"}
+    if plan.world_size == 1:
+        return {"value": 1.0, "source": "one device"}
+    return {"value": assumed, "source": why}
+
+
+def sentence(f: dict) -> str:
+    """The forecast in one line (the log, the report, training's first line)."""
+    if f.get("total_s") is None:
+        return f"No forecast of time or cost: {f['why_not']}."
+    cost = "" if f["cost"] is None else f", about {f['cost']:.2f} at {f['price_per_hour']}/h"
+    return (f"{f['epochs']} epochs in about {hms(f['total_s'])} at {f['images_per_s']:.0f} img/s "
+            f"({f['bound']}-bound), {f['device_hours']:.2f} device-hours{cost}")
+
+
+def hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, train: dict,
+         train_index: str, val_index: str) -> dict:
+    """The forecast for entry `hw`, or, where the LR runs did not time its device, what holds:
+    the input-bound rate."""
+    recipe = recipes.get(model["recipe"])
+    train_idx, val_idx = index.read(train_index), index.read(val_index)
+    epochs = int(train["epochs"] or recipe.epochs)
+    loader_rate = loader["choice"]["images_per_s"]
+    base = {"cluster": hw["name"], "world_size": plan.world_size, "nodes": plan.nodes,
+            "per_device_batch": plan.per_device_batch, "global_batch": plan.global_batch,
+            "loader_images_per_s_per_device": loader_rate,
+            "loader_note": loader.get("note"), "lr_run_devices": None}
+    why = not_on_entry_device(runs, hw)
+    if why is not None:
+        return {**base, "forecast_for_entry": False, "why_not": why, "total_s": None,
+                "input_bound_images_per_s": round(plan.world_size * loader_rate, 1)}
+    timing = lr_run_timing(runs)
+    measured = None
+    if hw["accelerator"] == "cpu":
+        measured = measure_cpu_ranks(model, plan, len(train_idx.classes))
+        timing = {**timing, "compute_s": measured["step_s_alone"],
+                  "eval_s": measured["eval_s_together"], "source": "measured here (CPU ranks)"}
+    else:
+        timing = {**timing, "source": "the LR runs"}
+    efficiency = efficiency_of(hw, plan, measured)
+    limits = {"train": train["limit_train_batches"], "val": train["limit_val_batches"]}
+    f = plan_forecast(timing=timing, loader_rate=loader_rate, plan=plan, hw=hw,
+                      efficiency=efficiency, train_images=sum(train_idx.counts),
+                      val_images=sum(val_idx.counts), epochs=epochs, limits=limits)
+    return {**base, "forecast_for_entry": True, "why_not": None, **f,
+            "step_timing": timing, "scaling_efficiency": efficiency,
+            "excludes": "process start-up, the first validation's sanity check and "
+                        "checkpoint writes"}
+
+
+def run(runs, loader_path, memory_path, settings_path, train_index, val_index, hw, model,
+        out) -> dict:
+    """The forecast for the training whose settings (settings.train_params) are at
+    `settings_path`: its epochs and batch limits."""
+    from imgclf import settings
+
+    plan = Plan.read(memory_path, hw["name"])
+    train = settings.section(read_json(settings_path), "train")
+    forecast = make([read_json(p) for p in runs], read_json(loader_path), plan, hw, model,
+                    train, train_index, val_index)
+    log.info("%s", sentence(forecast))
+    return write_artifact(out, forecast, config_slice={"hw": hw, "model": model},
+                          inputs=[*runs, loader_path, memory_path, settings_path, train_index,
+                                  val_index])
+
+
+def read(path) -> dict | None:
+    """The forecast at `path` (with its path), or None when it does not exist: training goes on
+    without."""
+    try:
+        return {**read_json(path), "path": str(path)}
+    except FileNotFoundError:
+        return None
+

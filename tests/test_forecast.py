@@ -1,0 +1,166 @@
+"""The forecast of a training's time and cost: the model against hand-worked cases, the honest
+scope when the LR runs did not run on the entry's device, the CPU ranks measured, and the report
+and the training's own lines from the shared demo run of test_reproducibility.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from imgclf import forecast, hardware, report_tables
+from imgclf.errors import UserError
+from imgclf.plan import Plan
+from imgclf.train import summary as after
+
+G5 = {"name": "g5", "gpus_per_node": 4, "gpu_model": "A10G", "gpu_memory_gb": 24, "nodes": 1,
+      "cpus_per_node": 48, "ram_gb": 192, "accelerator": "gpu", "devices_per_node": 4}
+
+
+def plan(workers: int, batch: int = 64, devices: int = 4, nodes: int = 1) -> Plan:
+    return Plan(path="m.json", cluster="g5", per_device_batch=batch, accumulate_grad_batches=1,
+                devices_per_node=devices, nodes=nodes, num_workers=workers, prefetch_factor=2,
+                decoder="pil")
+
+
+def bill(p: Plan, compute_s: float, loader_rate: float, hw=G5, efficiency=1.0, **kw) -> dict:
+    return forecast.plan_forecast(
+        timing={"compute_s": compute_s, "eval_s": compute_s / 3}, loader_rate=loader_rate,
+        plan=p, hw=hw, efficiency={"value": efficiency}, train_images=kw.get("train", 25600),
+        val_images=kw.get("val", 2560), epochs=kw.get("epochs", 10),
+        limits={"train": None, "val": None})
+
+
+def test_the_slower_of_compute_and_input_bounds_the_job():
+    # 4 devices, batch 64: 0.1 s per step computes 2,560 img/s; the loader delivers 1,000 per
+    # device, 4,000 in all: compute-bound, at 2,560 x 0.9 with a scaling efficiency of 0.9
+    f = bill(plan(workers=8), compute_s=0.1, loader_rate=1000, efficiency=0.9)
+    assert f["bound"] == "compute" and f["images_per_s"] == pytest.approx(2304, abs=0.1)
+    assert f["input_bound_images_per_s"] == 4000
+    # 100 steps per device per epoch (25,600 / 4 / 64) and 10 validation batches, whose forward
+    # pass (a third of a step) waits for the loader's 64 images in 0.064 s
+    assert f["train_batches_per_epoch"] == 100 and f["val_batches_per_epoch"] == 10
+    assert f["epoch_s"] == pytest.approx(100 * 0.1 / 0.9 + 10 * 0.064, abs=0.01)
+    assert f["total_s"] == pytest.approx(10 * f["epoch_s"], abs=0.1)
+    assert f["device_hours"] == pytest.approx(4 * f["total_s"] / 3600, abs=0.001)
+    # a loader of 300 img/s per device: input-bound at 1,200 img/s, whatever the GPUs could do
+    f = bill(plan(workers=8), compute_s=0.1, loader_rate=300)
+    assert f["bound"] == "input" and f["images_per_s"] == pytest.approx(1200, abs=0.1)
+
+
+def test_with_no_loader_workers_decoding_and_computing_add_up():
+    overlapped = bill(plan(workers=4), compute_s=0.1, loader_rate=1280)  # 0.05 s per batch
+    serial = bill(plan(workers=0), compute_s=0.1, loader_rate=1280)
+    assert overlapped["images_per_s"] == pytest.approx(4 * 64 / 0.1, abs=0.1)
+    assert serial["images_per_s"] == pytest.approx(4 * 64 / 0.15, abs=0.1)
+    assert "0 workers" in serial["overlap"] and serial["bound"] == "compute"
+
+
+def test_cost_only_from_a_price_the_user_gave():
+    f = bill(plan(workers=8), compute_s=0.1, loader_rate=1000)
+    rows = dict(report_tables.forecast_tables({**f, **base_fields(f)})[0][2])
+    assert f["cost"] is None and rows["cost"] == "no price: set `clusters.g5.price_per_hour`"
+    two_nodes = plan(workers=8, nodes=2)
+    f = bill(two_nodes, compute_s=0.1, loader_rate=1000, hw={**G5, "price_per_hour": 16.29})
+    hours = f["total_s"] / 3600
+    assert f["cost"] == pytest.approx(round(2 * hours * 16.29, 2))  # per node-hour, 2 nodes
+    assert f["device_hours"] == pytest.approx(8 * hours, abs=0.001)
+    assert f"about {f['cost']:.2f} at 16.29/h" in forecast.sentence(f)
+
+
+def base_fields(f: dict) -> dict:
+    return {"forecast_for_entry": True, "per_device_batch": 64, "world_size": 4, "cluster": "g5",
+            "scaling_efficiency": {"value": 1.0, "source": "one device"},
+            "step_timing": {"compute_s": 0.1, "eval_s": 0.03, "source": "the LR runs"},
+            "excludes": "start-up", "loader_note": None}
+
+
+def test_batches_per_epoch_follow_the_sampler_and_the_limits():
+    # a distributed sampler pads 1,438 images to 719 per rank: 11 full batches of 64 to train
+    # (the ragged one dropped), 12 to validate (the last one short)
+    assert forecast.batches_per_rank(1438, 2, 64, True, None) == 11
+    assert forecast.batches_per_rank(1438, 2, 64, False, None) == 12
+    assert forecast.batches_per_rank(1438, 2, 64, True, 4) == 4
+    assert forecast.batches_per_rank(1438, 2, 64, True, 0.5) == 5
+    assert forecast.batches_per_rank(40, 2, 64, True, None) == 1  # all there is
+
+
+def lr_run(device="cuda:0", name="NVIDIA A10G", steps=30, wait=0.01, step=0.11, accum=1):
+    return {"run": 0, "device": device, "batch_size": 64, "accumulation_steps": accum,
+            "first_nonfinite_iteration": None,
+            "timing": {"step_seconds": [1.0] * forecast.WARMUP_STEPS + [step] * steps,
+                       "data_wait_seconds": [0.5] * forecast.WARMUP_STEPS + [wait] * steps,
+                       "eval_seconds": [0.04] * 5, "device_name": name}}
+
+
+def test_one_device_time_is_the_lr_runs_steps_less_their_loader_wait():
+    t = forecast.lr_run_timing([lr_run(), lr_run(step=0.13, accum=2)])
+    # the warm-up steps are left out; an accumulated step is two batches
+    assert t["compute_s"] == pytest.approx((0.1 + 0.06) / 2) and t["eval_s"] == 0.04
+    with pytest.raises(UserError, match="raise `lr_finder.num_iter`"):
+        forecast.lr_run_timing([lr_run(steps=0)])
+    old = lr_run()
+    del old["timing"]
+    with pytest.raises(UserError, match="--forcerun lr_find"):
+        forecast.lr_run_timing([old])
+
+
+def test_lr_runs_on_another_device_are_no_forecast_for_the_entry():
+    assert forecast.not_on_entry_device([lr_run()], G5) is None
+    why = forecast.not_on_entry_device([lr_run(device="cpu", name="cpu (AMD EPYC)")], G5)
+    assert why == "the LR runs ran on cpu (AMD EPYC), not on a A10G of entry 'g5'"
+    why = forecast.not_on_entry_device([lr_run(name="NVIDIA H100 80GB HBM3")], G5)
+    assert "NVIDIA H100 80GB HBM3, not on entry 'g5''s A10G" in why
+    p4 = {**G5, "name": "p4", "gpu_model": "A100"}
+    assert forecast.not_on_entry_device([lr_run(name="NVIDIA A100-SXM4-40GB")], p4) is None
+
+
+def test_the_scaling_efficiency_says_where_it_comes_from():
+    assumed = forecast.efficiency_of(G5, plan(8), None)
+    assert assumed["value"] == forecast.DEFAULT_SCALING_EFFICIENCY
+    assert "assumed" in assumed["source"] and "clusters.g5.scaling_efficiency" in assumed["source"]
+    assert forecast.efficiency_of({**G5, "scaling_efficiency": 0.7}, plan(8), None) == {
+        "value": 0.7, "source": "set by `clusters.g5.scaling_efficiency`"}
+    assert forecast.efficiency_of(G5, plan(8, devices=1), None)["value"] == 1.0
+    measured = {"efficiency": 0.9}
+    assert forecast.efficiency_of(G5, plan(8), measured)["source"] == "measured here"
+    across = forecast.efficiency_of(G5, plan(8, nodes=2), measured)
+    assert across["value"] == pytest.approx(0.9 * forecast.DEFAULT_SCALING_EFFICIENCY)
+
+
+def test_cpu_ranks_are_measured_alone_and_side_by_side():
+    """Real gloo ranks in forked processes, a tiny model: two side by side on this machine's
+    cores can only be slower per step than one alone."""
+    m = forecast.measure_cpu_ranks({"arch": "resnet18", "recipe": "demo", "resolution": 16,
+                                    "precision": "32", "channels_last": False},
+                                   plan(0, batch=8, devices=2), classes=10)
+    assert m["ranks"] == 2 and m["threads_per_rank"] == max(1, hardware.usable_cpus() // 2)
+    assert 0 < m["step_s_alone"] and 0 < m["eval_s_together"] < m["step_s_together"]
+    assert 0 < m["efficiency"] <= 1
+
+
+def test_training_records_the_forecast_against_what_it_took():
+    class Epochs:
+        epochs = [{"epoch": e, "images": 1000, "seconds": 2.0, "val_seconds": 0.5,
+                   "loader_wait_seconds": w} for e, w in ((0, 0.1), (1, 0.1))]
+
+    f = {"forecast_for_entry": True, "total_s": 10.0, "epochs": 4, "images_per_s": 480.0,
+         "bound": "compute"}
+    r = after.against_forecast(f, Epochs, workers=4)
+    # two of four epochs timed: 5 s expected, 5 s taken
+    assert r["forecast"]["seconds"] == 5.0 and r["actual"]["seconds"] == 5.0
+    assert r["time_error"] == 0.0 and r["actual"]["images_per_s"] == 500.0
+    assert r["actual"]["loader_wait_share"] == 0.05 and r["actual"]["bound"] == "compute"
+    assert after.against_forecast(None, Epochs, workers=4) is None
+    elsewhere = after.against_forecast({"forecast_for_entry": False, "why_not": "laptop"},
+                                       Epochs, workers=4)
+    assert elsewhere["why_not"] == "laptop" and "forecast" not in elsewhere
+
+
+@pytest.mark.parametrize("workers, wait, bound", [(4, 0.1, "compute"), (4, 0.3, "input"),
+                                                  (0, 0.9, "compute"), (0, 1.1, "input")])
+def test_which_bound_held_in_training(workers, wait, bound):
+    class Epochs:
+        epochs = [{"epoch": 0, "images": 100, "seconds": 2.0, "loader_wait_seconds": wait}]
+
+    f = {"forecast_for_entry": True, "total_s": 2.0, "epochs": 1, "images_per_s": 50.0,
+         "bound": "compute"}
+    assert after.against_forecast(f, Epochs, workers)["actual"]["bound"] == bound

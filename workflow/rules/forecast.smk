@@ -1,0 +1,23 @@
+# No conda:/container: on these rules (the lint remark): their software is the imgclf package
+# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+rule forecast:
+    """Training's time, images/s, bound, device-hours and cost, from the LR runs' step times,
+    the loader benchmark and the memory solve (CPU ranks: timed here, so the job takes the
+    machine's CPUs)."""
+    input:
+        runs=lambda wc: lr_runs(wc.cluster),
+        loader="results/loader/{cluster}.json",
+        memory="results/memory/{cluster}.json",
+        settings="results/train/{cluster}.settings.json",
+        train_index=train_index,
+        val_index=val_index,
+        code=code("forecast", "recipes", "index"),
+    output:
+        "results/forecast/{cluster}.json",
+    log:
+        "logs/forecast/{cluster}.log",
+    threads: lambda wc: hw(wc)["cpus_per_node"] if hw(wc)["accelerator"] == "cpu" else 1
+    params:
+        p=lambda wc: settings.forecast_params(config, wc.cluster),
+    script:
+        "../scripts/forecast.py"
