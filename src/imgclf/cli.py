@@ -282,9 +282,7 @@ def _ddp_commands(sub) -> None:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    # a training's log keeps what each attempt wrote (a resumed or requeued run appends)
-    stage.run(lambda: args.fn(args), getattr(args, "log", None),
-              append=args.fn is cmd_train)
+    stage.run(lambda: args.fn(args), getattr(args, "log", None))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ class Throughput(Callback):
         self._n, self._wait = 0, 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self._loader_turn is not None:
+        if self._t0 is None:  # an epoch resumed in its middle: no epoch start this attempt
+            self.on_train_epoch_start(trainer, pl_module)
+        elif self._loader_turn is not None:
             self._wait += time.perf_counter() - self._loader_turn
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
