@@ -194,7 +194,10 @@ def test_range_test_sees_the_recipes_mixed_batches(demo_root):
     ds = data.train_dataset(str(demo_root), "tensor", 16, recipe)
     loader = data.loader(ds, 8, 0, None, shuffle=True, seed=0, drop_last=True)
     cpu = torch.device("cpu")
-    inputs, labels = next(lr_find._batches(loader, data.batch_mixer(recipe, len(ds.classes)), cpu))
+    waits = []  # the seconds each batch kept the step waiting for the loader
+    inputs, labels = next(lr_find._batches(loader, data.batch_mixer(recipe, len(ds.classes)), cpu,
+                                           waits))
+    assert len(waits) == 1 and waits[0] > 0
     assert labels.shape == (8, len(ds.classes)) and labels.dtype.is_floating_point
     assert torch.allclose(labels.sum(1), torch.ones(8))
     cfg = {**settings.section({}, "lr_finder"), "num_iter": 4}
@@ -206,13 +209,18 @@ def test_range_test_sees_the_recipes_mixed_batches(demo_root):
         cfg, 0, threads=1)
     assert run["iterations"] == 4 and "MixUp alpha 0.2 or CutMix alpha 1.0" in run["batch_mixing"]
     assert run["device"] == "cpu" and run["gpu"] is None
-    plain = lr_find._batches(loader, None, cpu)
+    timing = run["timing"]  # what the forecast reads: per step, and forward passes after
+    assert len(timing["step_seconds"]) == len(timing["data_wait_seconds"]) == 4
+    assert all(0 < w < s for s, w in zip(timing["step_seconds"], timing["data_wait_seconds"]))
+    assert len(timing["eval_seconds"]) == lr_find.EVAL_STEPS
+    assert timing["device_name"].startswith("cpu (")
+    plain = lr_find._batches(loader, None, cpu, [])
     assert next(plain)[1].dtype == torch.int64
     # the mixer works on the batch where the model is, after the copy (meta: a device that
     # is not the CPU the loader made the batch on)
     seen = []
     mixing = lr_find._batches(loader, lambda x, y: seen.append((x.device, y.device)) or (x, y),
-                              torch.device("meta"))
+                              torch.device("meta"), [])
     x, y = next(mixing)
     assert seen == [(torch.device("meta"), torch.device("meta"))] and x.device.type == "meta"
 

@@ -234,7 +234,7 @@ VALIDATION_CASES = {
     "the budget: every run": ("validate_lr: {steps: 2}",
                               {"validate_lr_run[1]", "validate_lr_run[2]"} | AGGREGATE),
     "the tolerance: no run": ("validate_lr: {tolerance: 0.5}", AGGREGATE),
-    "train.seed: training only": ("train: {seed: 1}", {"train_model"}),
+    "train.seed: training only": ("train: {seed: 1}", {"train_settings", "train_model"}),
 }
 
 

@@ -107,8 +107,8 @@ EVAL = {"evaluate", table("eval"), "all"}
 TRAIN = {"train_model"} | EVAL
 # training takes the forecast as `ancient`: a new forecast (a price) does not retrain
 FORECAST = {"forecast", table("forecast"), "all"}
-# the training's settings file, which the forecast reads: a change of training's params
-SETTINGS = {"train_settings"} | FORECAST | TRAIN
+# the training's settings file: a change of training's params
+SETTINGS = {"train_settings"} | TRAIN
 LR_SUMMARY = {"summarize_lr", table("lr")} | TRAIN
 LR = {"lr_find[run=0]", "lr_find[run=1]"} | LR_SUMMARY | FORECAST
 MEMORY = {"solve_memory", table("memory")} | LR
@@ -138,11 +138,11 @@ CONFIG_CASES = {
     "lr_finder: skip_end": ("lr_finder: {skip_end: 3}", LR_SUMMARY),
     "lr_finder: gradient": ("lr_finder: {gradient: index}", LR_SUMMARY),
     "lr_finder: until_minimum": ("lr_finder: {until_minimum: false}", LR_SUMMARY),
-    "train": ("train: {epochs: 3}", SETTINGS),
+    "train": ("train: {epochs: 3}", SETTINGS | FORECAST),
     "train: a key the forecast does not read": ("train: {save_top_k: 2}", SETTINGS),
     # the two at once (Snakemake's `ancient` would otherwise hide training's own change)
-    "train and the price": ("train: {epochs: 3}\nclusters: {local: {price_per_hour: 4.5}}",
-                            SETTINGS),
+    "train and the price": ("train: {save_top_k: 2}\nclusters: {local: {price_per_hour: 4.5}}",
+                            SETTINGS | FORECAST),
     # not in `all`: its grid reaches training only through `train.lr_source: validation`
     # (tests/test_lr_validation.py edits the grid of a run that trained on it)
     "validate_lr without lr_source validation": ("validate_lr: {multiples: [0.5, 1, 2]}", set()),
@@ -300,7 +300,6 @@ DECLARED_INPUTS = {
                                       "results/memory/local.json"],
     "results/forecast/local.json": ["results/lr/local/run0.json", "results/lr/local/run1.json",
                                     "results/loader/local.json", "results/memory/local.json",
-                                    "results/train/local.settings.json",
                                     "results/hydration/local.train.tsv",
                                     "results/hydration/local.val.tsv"],
     "results/train/local/train_summary.json": ["results/memory/local.json",

@@ -9,9 +9,9 @@ training process decodes between steps, so the two times add instead.
 
 Where the figures hold: the LR runs time the entry's own device only when they ran on it. A g5
 plan run on a laptop gets no forecast of its time or cost, only the input-bound rate. The CPU
-ranks of a `local` entry are timed here (one rank alone, then all ranks side by side): the LR
-runs use one thread, a rank its share of the cores, and the ratio is the measured scaling
-efficiency."""
+ranks of an entry without GPUs are timed here (one rank alone, then one node's ranks side by
+side): the LR runs use one thread, a rank its share of the cores, and the ratio is the measured
+scaling efficiency (across nodes it is set or assumed)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def lr_run_timing(runs: list[dict]) -> dict:
             raise UserError(f"LR run {r.get('run')} has no step timing (written by an older "
                             f"version): rerun it with `snakemake --forcerun lr_find`.")
         stop = r.get("first_nonfinite_iteration") or len(t["step_seconds"])
-        compute += [(s - w) / r["accumulation_steps"] for s, w in
-                    zip(t["step_seconds"][WARMUP_STEPS:stop], t["data_wait_seconds"][WARMUP_STEPS:stop])]
+        steps = zip(t["step_seconds"][WARMUP_STEPS:stop], t["data_wait_seconds"][WARMUP_STEPS:stop])
+        compute += [(s - w) / r["accumulation_steps"] for s, w in steps]
         evals += t["eval_seconds"]
     if not compute:
         raise UserError(f"The LR runs have no timed step after the first {WARMUP_STEPS}: raise "
@@ -70,7 +70,8 @@ def not_on_entry_device(runs: list[dict], hw: dict) -> str | None:
                 f"{hw['name']!r}" if want == "cuda" else
                 f"the LR runs ran on {', '.join(names)}, not on entry {hw['name']!r}'s {want}")
     if want == "cuda" and not all(cuda_builds.gpu_matches(hw["gpu_model"], n) for n in names):
-        return f"the LR runs ran on {', '.join(names)}, not on entry {hw['name']!r}'s {hw['gpu_model']}"
+        return (f"the LR runs ran on {', '.join(names)}, not on entry {hw['name']!r}'s "
+                f"{hw['gpu_model']}")
     return None
 
 
@@ -290,20 +291,13 @@ def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, trai
                         "checkpoint writes"}
 
 
-def run(runs, loader_path, memory_path, settings_path, train_index, val_index, hw, model,
-        out) -> dict:
-    """The forecast for the training whose settings (settings.train_params) are at
-    `settings_path`: its epochs and batch limits."""
-    from imgclf import settings
-
+def run(runs, loader_path, memory_path, train_index, val_index, hw, model, train, out) -> dict:
     plan = Plan.read(memory_path, hw["name"])
-    train = settings.section(read_json(settings_path), "train")
     forecast = make([read_json(p) for p in runs], read_json(loader_path), plan, hw, model,
                     train, train_index, val_index)
     log.info("%s", sentence(forecast))
-    return write_artifact(out, forecast, config_slice={"hw": hw, "model": model},
-                          inputs=[*runs, loader_path, memory_path, settings_path, train_index,
-                                  val_index])
+    return write_artifact(out, forecast, config_slice={"hw": hw, "model": model, "train": train},
+                          inputs=[*runs, loader_path, memory_path, train_index, val_index])
 
 
 def read(path) -> dict | None:

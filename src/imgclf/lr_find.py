@@ -214,7 +214,8 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
                      recipes.build_loss(recipe), device, amp)
     accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1
     start, waits = time.perf_counter(), []
-    finder.range_test(_batches(loader, mixer, device, waits), start_lr=cfg["start_lr"], end_lr=cfg["end_lr"],
+    finder.range_test(_batches(loader, mixer, device, waits), start_lr=cfg["start_lr"],
+                      end_lr=cfg["end_lr"],
                       num_iter=cfg["num_iter"], step_mode="exp", smooth_f=cfg["smooth_f"],
                       diverge_th=cfg["diverge_th"], accumulation_steps=accumulation)
     seconds = time.perf_counter() - start

@@ -329,13 +329,15 @@ def lr_summary_params(config: dict, cluster_name: str) -> dict:
 
 
 def forecast_params(config: dict, cluster_name: str) -> dict:
-    """forecast: the hardware entry with its price and scaling efficiency, and `model.*` (the
-    CPU ranks' measurement builds the model); the training's epochs and batch limits come from
-    its settings file, the other stages' figures from their artifacts."""
+    """forecast: the hardware entry with its price and scaling efficiency, `model.*` (the CPU
+    ranks' measurement builds the model) and the `train.*` keys that set how many batches run;
+    the other stages' figures are input files."""
+    train = config["train"]
     return canonical({
         "hw": {k: v for k, v in cluster(config, cluster_name).items()
                if k not in HYDRATION_HW_KEYS + SLURM_HW_KEYS},
         "model": config["model"],
+        "train": {k: train[k] for k in ("epochs", "limit_train_batches", "limit_val_batches")},
     })
 
 

@@ -8,7 +8,6 @@ rule forecast:
         runs=lambda wc: lr_runs(wc.cluster),
         loader="results/loader/{cluster}.json",
         memory="results/memory/{cluster}.json",
-        settings="results/train/{cluster}.settings.json",
         train_index=train_index,
         val_index=val_index,
         code=code("forecast", "recipes", "index"),

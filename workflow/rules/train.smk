@@ -1,12 +1,11 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
 # that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
 rule train_settings:
-    """The training's settings (its params) as a file, rewritten when they change: the forecast
-    reads its epochs and batch limits here, and training takes it as an ordinary input. That
-    input is what reruns training after a change of its settings in the same invocation as a
-    rerun of the forecast: training takes the forecast as `ancient`, and Snakemake does not look
-    at the own reasons of a job below a rerunning `ancient` input (snakemake/snakemake#4166).
-    """
+    """The training's settings (its params) as a file, rewritten when they change, which
+    training takes as an ordinary input. That input is what reruns training after a change of
+    its settings in the same invocation as a rerun of the forecast: training takes the forecast
+    as `ancient`, and Snakemake does not look at the own reasons of a job below a rerunning
+    `ancient` input (snakemake/snakemake#4166)."""
     input:
         # the check's file indexes (`ancient`): the settings hold its census, known once it ran
         train_index=train_index,
