@@ -187,32 +187,31 @@ START_WITHIN_MINUTES = 1440  # a training job not started a day after its submis
 REQUEUE_DELAY_MINUTES = 3  # a requeued job waits out Slurm's cred_expire (120 s) first
 
 
-def train_minutes(forecast: dict | None) -> float | None:
-    """Minutes the whole training takes by the forecast, with its margin; None without one."""
-    if not forecast or forecast.get("total_s") is None:
-        return None
-    return forecast["total_s"] * RUNTIME_MARGIN / 60 + STARTUP_MINUTES
-
-
-def train_runtime(forecast_path: str, cluster: dict) -> int:
-    """The training job's time request in minutes: the forecast's with its margin, capped by
-    the partition's limit (`slurm_time_limit_minutes`; also what a plan without a forecast for
-    its hardware asks for)."""
+def train_request(forecast_path: str, cluster: dict) -> tuple[int, float]:
+    """(minutes the training job asks for, minutes the whole training takes), from one read of
+    the forecast: its time with RUNTIME_MARGIN and STARTUP_MINUTES, capped by the partition's
+    limit (`slurm_time_limit_minutes`; also what a plan without a forecast for its hardware
+    asks for, and then the whole training's time too)."""
     from imgclf.provenance import read_json
 
     limit = int(cluster["slurm_time_limit_minutes"])
-    minutes = train_minutes(read_json(forecast_path))
-    return limit if minutes is None else max(1, min(limit, math.ceil(minutes)))
+    total_s = read_json(forecast_path).get("total_s")
+    if total_s is None:
+        return limit, limit
+    minutes = total_s * RUNTIME_MARGIN / 60 + STARTUP_MINUTES
+    return max(1, min(limit, math.ceil(minutes))), minutes
+
+
+def train_runtime(forecast_path: str, cluster: dict) -> int:
+    """The training job's time request in minutes (train_request)."""
+    return train_request(forecast_path, cluster)[0]
 
 
 def train_slurm_extra(forecast_path: str, cluster: dict) -> str:
     """sbatch options of the training job: requeue at the time limit (the output file appended
     to, not truncated, by the next start) and a deadline that leaves a day to start and room
     for every requeued start."""
-    from imgclf.provenance import read_json
-
-    runtime = train_runtime(forecast_path, cluster)
-    minutes = train_minutes(read_json(forecast_path)) or runtime
+    runtime, minutes = train_request(forecast_path, cluster)
     starts = math.ceil(minutes / runtime)
     deadline = START_WITHIN_MINUTES + starts * (runtime + REQUEUE_DELAY_MINUTES)
     lead = min(REQUEUE_LEAD_S, runtime * 30)
