@@ -67,11 +67,12 @@ LEAVES = {
     **{c: [f"results/memory/{e}.json" for e in ("g5", "p3", "p4")] for c in HOW
        if c.startswith("for c in")},
 }
-# A cheaper loader grid and LR range test in the copy's config: the commands stay as typed.
+# A cheaper loader grid, LR range test and noise scale in the copy's config: the commands stay as typed.
 REDUCED = {"loader": {"decoders": ["pil"], "workers": [0], "prefetch_factors": [2],
                       "batch_size": 16, "seconds_per_config": 0.3, "windows": 2,
                       "warmup_batches": 1, "measure_baseline": False},
-           "lr_finder": {"num_iter": 30, "skip_start": 3, "skip_end": 2}}
+           "lr_finder": {"num_iter": 30, "skip_start": 3, "skip_end": 2},
+           "noise_scale": {"steps": 4, "accumulate": 2}}
 DOCUMENTS = ("README.md", "config/README.md", "docs/*.md")
 
 

@@ -30,6 +30,7 @@ QUICK = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [pil], seconds_per_config: 0.3,
          windows: 2, measure_baseline: false}
 train: {epochs: 1, lr_source: recipe, limit_val_batches: 2}
+noise_scale: {steps: 4, accumulate: 2}
 """
 
 

@@ -1,6 +1,7 @@
-"""LR validation: the verdict on hand-made grids, the budget and config slices, training at the
-grid's best (`train.lr_source: validation`), and one real Snakemake run of the stage on the demo
-data (two multiples, three steps each) with the change propagation it implies."""
+"""LR validation: the verdict on hand-made grids, the search beyond the grid's edge, the budget
+and config slices, training at the grid's best (`train.lr_source: validation`), and one real
+Snakemake run of the stage on the demo data (two multiples and one edge step, three steps each)
+with the change propagation it implies."""
 
 from __future__ import annotations
 
@@ -85,6 +86,11 @@ def test_aggregate_of_hand_made_runs_with_a_diverged_one(tmp_path):
     assert json.loads(out.read_text())["verdict"] == result["verdict"] == "ok"
     assert result["chosen_rank"] == 1 and result["of"] == 3 and result["runs"][2]["lr"] == 0.4
     assert result["provenance"]["config_digest"] and str(summary) in result["provenance"]["inputs"]
+    assert result["extension"] == {
+        "side": None, "extra_multiples": [], "bracketed": True, "bracketed_by": "divergence",
+        "next_multiple": None,
+        "sentence": "The grid brackets its best: 1x lies between 0.5x and 4x (diverged)."}
+    assert result["reason"].endswith(" " + result["extension"]["sentence"])
     with Image.open(png) as img:
         assert img.format == "PNG"
     with pytest.raises(UserError, match="No LR validation run for multiple.s. 2 of"):
@@ -92,6 +98,114 @@ def test_aggregate_of_hand_made_runs_with_a_diverged_one(tmp_path):
     with pytest.raises(UserError, match="does not exist: run `snakemake"):
         lr_validation.summarize([tmp_path / "x8/train_summary.json"], summary, [8], 0.1, out,
                                 png)
+
+
+def test_aggregate_records_the_extra_multiples_and_a_best_still_at_the_edge(tmp_path):
+    """Two edge steps added 2x and 4x, and 4x is still the best: the verdict says so."""
+    summary = tmp_path / "local_summary.json"
+    summary.write_text(json.dumps({"training_lr": 0.1, "global_batch": 64}))
+    paths = [write_run(tmp_path, m, loss, 0.8)
+             for m, loss in ((0.5, 0.7), (1.0, 0.5), (2.0, 0.45), (4.0, 0.4))]
+    result = lr_validation.summarize(paths, summary, [0.5], 0.1, tmp_path / "v.json",
+                                     tmp_path / "v.png")
+    assert result["extension"]["side"] == "top"
+    assert result["extension"]["extra_multiples"] == [2.0, 4.0]
+    assert not result["extension"]["bracketed"] and result["extension"]["next_multiple"] == 8
+    assert result["best"]["multiple"] == 4 and result["verdict"] == "warn"
+    assert result["reason"].endswith("The grid's best, 4x, is still at the edge after 2 extra "
+                                     "multiples (2x, 4x, above the grid); the best may lie "
+                                     "beyond x4.")
+
+
+# --- the search beyond the grid's edge ---------------------------------------------------------
+
+GRID = (0.25, 0.5, 1, 2, 4)
+
+
+def around(best, multiples=GRID, diverged=()):
+    """Runs of `multiples` whose loss grows with the distance (in log) from `best`."""
+    return [run(m, math.nan if m in diverged else 0.5 + abs(math.log(m / best)))
+            for m in multiples]
+
+
+def decision(runs):
+    d = lr_validation.next_multiple(runs)
+    return d["multiple"], d["side"], d["why"]
+
+
+def test_a_best_at_the_top_edge_is_followed_upward():
+    assert decision(around(best=4)) == (8.0, "top", "edge")
+    assert decision(around(best=50)) == (8.0, "top", "edge")
+
+
+def test_a_best_at_the_bottom_edge_is_followed_downward():
+    assert decision(around(best=0.25)) == (0.125, "bottom", "edge")
+    assert decision(around(best=1, multiples=(1, 2), diverged=(2,))) == (0.5, "bottom", "edge")
+
+
+def test_a_bracketed_best_ends_the_search():
+    d = lr_validation.next_multiple(around(best=2))
+    assert (d["multiple"], d["side"], d["why"], d["neighbours"]) == (None, None, "bracketed",
+                                                                     [1.0, 4.0])
+    assert lr_validation.describe(d, around(best=2)) == ("The best is bracketed: 2x lies "
+                                                         "between 1x and 4x, both worse.")
+
+
+def test_a_diverged_extra_multiple_brackets_the_best_by_divergence():
+    runs = around(best=4, multiples=GRID + (8,), diverged=(8,))
+    assert decision(runs) == (None, None, "diverged")
+    e = lr_validation.extension(runs, GRID)
+    assert (e["side"], e["extra_multiples"], e["bracketed"], e["bracketed_by"]) == (
+        "top", [8.0], True, "divergence")
+    assert e["sentence"] == ("The best was at the grid's edge; 1 extra multiple (8x, above the "
+                             "grid) brackets it: 4x lies between 2x and 8x (diverged).")
+
+
+def test_the_next_multiple_takes_the_grids_spacing_at_that_edge():
+    assert lr_validation.spacing((0.5, 1, 4), "top") == 4
+    assert lr_validation.spacing((0.5, 1, 4), "bottom") == 2
+    assert decision(around(best=9, multiples=(0.5, 1, 4))) == (16.0, "top", "edge")
+    assert decision(around(best=0.1, multiples=(0.5, 1, 4))) == (0.25, "bottom", "edge")
+    assert decision(around(best=1000, multiples=(1, 1000)))[0] == 1e6  # path x1e+06
+    assert decision(around(best=0.1, multiples=(1 / 3, 1)))[0] == 0.111111  # as its path
+    assert decision(around(best=1, multiples=(1,)))[2] == "one multiple"
+
+
+def test_the_search_stops_when_its_steps_are_used_up():
+    offered = []
+
+    def decided(step):
+        offered.append(step)
+        return 8.0 * 2 ** step
+    assert lr_validation.extended_grid(GRID, 2, decided) == [*GRID, 8.0, 16.0]
+    assert offered == [0, 1]
+    assert lr_validation.extended_grid(GRID, 0, decided) == list(GRID)
+    assert lr_validation.extended_grid(GRID, 5, [8.0, None].__getitem__) == [*GRID, 8.0]
+    e = lr_validation.extension(around(best=32, multiples=GRID + (8, 16)), GRID)
+    assert (e["side"], e["extra_multiples"], e["bracketed"], e["bracketed_by"]) == (
+        "top", [8.0, 16.0], False, None)
+    assert e["next_multiple"] == 32
+    assert e["sentence"] == ("The grid's best, 16x, is still at the edge after 2 extra multiples "
+                             "(8x, 16x, above the grid); the best may lie beyond x16.")
+    e = lr_validation.extension(around(best=0.01), GRID)  # extend_steps: 0
+    assert (e["side"], e["extra_multiples"], e["next_multiple"]) == ("bottom", [], 0.125)
+    assert "at its edge and `validate_lr.extend_steps` is 0; the best may lie beyond x0.25" in \
+        e["sentence"]
+
+
+def test_an_edge_step_writes_its_decision_for_the_next(tmp_path):
+    paths = [write_run(tmp_path, m, loss, 0.8) for m, loss in ((0.5, 0.7), (1.0, 0.5))]
+    out = tmp_path / "edge0.json"
+    d = lr_validation.decide_edge(paths, out)
+    assert lr_validation.read_edge(out) == 2.0 and (d["side"], d["why"]) == ("top", "edge")
+    assert json.loads(out.read_text())["reason"] == ("The best, 1x, is the largest multiple so "
+                                                     "far: next 2x.")
+    paths.append(write_run(tmp_path, 2.0, 0.6, 0.8))
+    assert lr_validation.decide_edge(paths, out)["why"] == "bracketed"
+    assert lr_validation.read_edge(out) is None
+    out.write_text("{}")
+    with pytest.raises(UserError, match="is not an LR validation edge step: delete it"):
+        lr_validation.read_edge(out)
 
 
 # --- grid, budget, schedule, config slices -----------------------------------------------------
@@ -120,12 +234,16 @@ def test_run_slices_leave_out_what_the_runs_do_not_read():
     assert base["train"]["lr_source"] == "lr_finder" and base["train"]["seed"] == 0
     assert base["train"]["save_top_k"] == 1
     for edit in ({"train": {"lr_source": "validation", "seed": 7, "save_top_k": 2}},
-                 {"validate_lr": {"multiples": [0.5, 1, 2, 4], "tolerance": 0.3, "epochs": 3}}):
+                 {"validate_lr": {"multiples": [0.5, 1, 2, 4], "tolerance": 0.3, "epochs": 3,
+                                  "extend_steps": 5}}):
         edited = settings.load(overrides=settings._merge(
             {"validate_lr": {"multiples": [0.5, 1, 2], "steps": 5}}, edit))
         assert settings.validate_lr_run_params(edited, "local", "2") == base, edit
     assert settings.lr_validation_params(config, "local") == {"multiples": [0.5, 1.0, 2.0],
                                                               "tolerance": 0.1}
+    assert config["validate_lr"]["extend_steps"] == 2  # the schema's default
+    with pytest.raises(UserError, match="`validate_lr.extend_steps` is -1"):
+        settings.load(overrides={"validate_lr": {"extend_steps": -1}})
 
 
 # --- training at the grid's best ---------------------------------------------------------------
@@ -155,14 +273,18 @@ def test_lr_source_validation_takes_the_grids_best(tmp_path):
 
 # --- the stage for real ------------------------------------------------------------------------
 
-# Two multiples of three steps each; one range test of 20 steps; training on the grid's best,
-# one epoch of four batches.
+# Two multiples and one edge step, three steps each; one range test of 20 steps; training on the
+# grid's best, one epoch of four batches. A grid of two always has its best at an edge, so the
+# edge step always adds a run: 0.001x below it (x1000 diverges or trails x1, as expected) or
+# 1e6x above it. Either way it is never 4, the multiple the propagation cases add.
 BASE_YAML = FAST_LOADER_YAML + """\
 lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
-validate_lr: {multiples: [1, 2], steps: 3}
+noise_scale: {steps: 4, accumulate: 2}
+validate_lr: {multiples: [1, 1000], steps: 3, extend_steps: 1}
 train: {lr_source: validation, epochs: 1, limit_train_batches: 4, limit_val_batches: 2}
 """
 TARGET = "results/train/local/best.ckpt"
+VALIDATE = "results/lr/local/validate"
 
 
 @pytest.fixture(scope="module")
@@ -176,26 +298,33 @@ def validated(tmp_path_factory, through_memory):
     return work
 
 
+def ranked(losses: dict) -> list[float]:
+    """The multiples by loss, a non-finite one last, ties to the one nearest 1."""
+    return sorted(losses, key=lambda m: (losses[m] if math.isfinite(losses[m]) else math.inf,
+                                         abs(math.log(m))))
+
+
 def test_stage_writes_the_grid_verdict_and_plot(validated):
     v = json.loads((validated / "results/lr/local_validation.json").read_text())
     summary = json.loads((validated / "results/lr/local_summary.json").read_text())
     memory = json.loads((validated / "results/memory/local.json").read_text())
-    assert [r["multiple"] for r in v["runs"]] == [1.0, 2.0] and v["budget"] == {"steps": 3}
-    assert [r["lr"] for r in v["runs"]] == pytest.approx([summary["training_lr"],
-                                                          2 * summary["training_lr"]])
-    assert all(math.isfinite(r["val_acc1"]) for r in v["runs"])
+    multiples = [r["multiple"] for r in v["runs"]]
+    assert len(multiples) == 3 and {1.0, 1000.0} < set(multiples) and v["budget"] == {"steps": 3}
+    assert [r["lr"] for r in v["runs"]] == pytest.approx([m * summary["training_lr"]
+                                                          for m in multiples])
+    assert all(math.isfinite(r["val_acc1"]) for r in v["runs"] if math.isfinite(r["val_loss"]))
     losses = {r["multiple"]: r["val_loss"] for r in v["runs"]}
-    best = min(losses, key=lambda m: losses[m])
-    assert v["best"]["multiple"] == best and v["chosen_rank"] == (1 if best == 1 else 2)
+    best = ranked(losses)[0]
+    assert v["best"]["multiple"] == best and v["chosen_rank"] == ranked(losses).index(1.0) + 1
     expect_ok = losses[1.0] <= losses[best] * (1 + v["tolerance"])
     assert v["verdict"] == ("ok" if expect_ok else "warn") and v["reason"].endswith(".")
     assert set(v["provenance"]["inputs"]) >= {"results/lr/local_summary.json"}
-    for m in ("1", "2"):  # each a real training with the plan's batch and world, 3 steps
-        s = json.loads((validated / f"results/lr/local/validate/x{m}/train_summary.json")
-                       .read_text())
+    for m in multiples:  # each a real training with the plan's batch and world, 3 steps
+        run_dir = validated / VALIDATE / f"x{lr_validation.multiple_name(m)}"
+        s = json.loads((run_dir / "train_summary.json").read_text())
         assert s["world_size"] == 2 and s["per_device_batch"] == memory["per_device_batch"]
         assert s["total_steps"] == 3 and s["completed"] and s["validation"]["max_steps"] == 3
-        assert (validated / f"results/lr/local/validate/x{m}/checkpoints/last.ckpt").is_file()
+        assert (run_dir / "checkpoints/last.ckpt").is_file()
     png = validated / "results/lr/local_validation.png"
     with Image.open(png) as img:
         assert img.format == "PNG" and img.size[0] > 400
@@ -205,11 +334,37 @@ def test_stage_writes_the_grid_verdict_and_plot(validated):
     assert "results/lr/local_validation.json" in t["provenance"]["inputs"]
 
 
-HEADER = re.compile(r"^(?:local)?rule (\w+):$")
+def test_stage_follows_a_best_at_the_grids_edge(validated):
+    """The grid's best is at one of its two multiples, so the one edge step (a checkpoint) adds
+    the next multiple on that side; then the best is bracketed by it (worse or diverged) or,
+    the step used up, still at the edge, as the verdict says."""
+    v = json.loads((validated / "results/lr/local_validation.json").read_text())
+    losses = {r["multiple"]: r["val_loss"] for r in v["runs"]}
+    side = "bottom" if ranked({m: losses[m] for m in (1.0, 1000.0)})[0] == 1.0 else "top"
+    extra = {"bottom": 0.001, "top": 1e6}[side]
+    e = v["extension"]
+    assert (e["side"], e["extra_multiples"]) == (side, [extra]) and extra in losses
+    step = json.loads((validated / VALIDATE / "edge0.json").read_text())
+    assert (step["multiple"], step["side"], step["why"]) == (extra, side, "edge")
+    assert not (validated / VALIDATE / "edge1.json").exists()  # extend_steps: 1
+    name = lr_validation.multiple_name(extra)
+    if ranked(losses)[0] == extra:
+        assert not e["bracketed"] and e["bracketed_by"] is None
+        assert (f"still at the edge after 1 extra multiple ({name}x, "
+                f"{'below' if side == 'bottom' else 'above'} the grid); the best may lie beyond "
+                f"x{name}.") in v["reason"]
+    else:
+        by = "worse neighbour" if math.isfinite(losses[extra]) else "divergence"
+        assert e["bracketed"] and e["bracketed_by"] == by
+        assert f"1 extra multiple ({name}x, " in v["reason"] and "brackets it:" in v["reason"]
+    assert v["reason"].endswith(e["sentence"])
+
+
+HEADER = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
 
 
 def planned(work, edit: str | None) -> set[str]:
-    """Rules (with the multiple) a dry run of TARGET plans after `edit`."""
+    """Rules (with the multiple or edge step) a dry run of TARGET plans after `edit`."""
     extra = []
     if edit:
         (work / "edit.yaml").write_text(edit + "\n")
@@ -221,19 +376,27 @@ def planned(work, edit: str | None) -> set[str]:
         m = HEADER.match(line)
         if m:
             wc = next((x for x in lines[i + 1:i + 12] if "wildcards:" in x), "")
-            multiple = re.search(r"multiple=([\d.e-]+)", wc)
-            found.add(m.group(1) + (f"[{multiple.group(1)}]" if multiple else ""))
+            which = re.search(r"(?:multiple|step)=([\d.e+-]+)", wc)
+            found.add(m.group(1) + (f"[{which.group(1)}]" if which else ""))
     return found
 
 
 AGGREGATE = {"summarize_lr_validation", "train_model"}
+# the first edge step decides again from a changed grid (a checkpoint: what it adds is planned
+# once it has run)
+EDGE = {"validate_lr_edge[0]"} | AGGREGATE
+STEPS = {"validate_lr_extend_steps"} | AGGREGATE
 VALIDATION_CASES = {
     "no-op": (None, set()),
-    "a multiple added: its run only": ("validate_lr: {multiples: [1, 2, 4]}",
-                                       {"validate_lr_run[4]"} | AGGREGATE),
+    "a multiple added: its run only": ("validate_lr: {multiples: [1, 4, 1000]}",
+                                       {"validate_lr_run[4]"} | EDGE),
     "the budget: every run": ("validate_lr: {steps: 2}",
-                              {"validate_lr_run[1]", "validate_lr_run[2]"} | AGGREGATE),
+                              {"validate_lr_run[1]", "validate_lr_run[1000]"} | EDGE),
     "the tolerance: no run": ("validate_lr: {tolerance: 0.5}", AGGREGATE),
+    # the step count as a file rewritten (what reruns the aggregate waiting on a new step)
+    "fewer edge steps: no run": ("validate_lr: {extend_steps: 0}", STEPS),
+    "more edge steps: the next step only": ("validate_lr: {extend_steps: 2}",
+                                            {"validate_lr_edge[1]"} | STEPS),
     "train.seed: training only": ("train: {seed: 1}", {"train_settings", "train_model"}),
 }
 

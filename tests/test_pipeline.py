@@ -17,6 +17,7 @@ RESUME = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [tensor], seconds_per_config: 0.3,
          windows: 2, measure_baseline: false}
 train: {epochs: 5, lr_source: recipe}
+noise_scale: {steps: 4, accumulate: 2}
 """
 
 

@@ -22,11 +22,12 @@ import yaml
 from conftest import BIN, REPO, SNAKEMAKE, copy_workflow, snakemake
 
 # A complete run, cheaper: a one-point loader grid (which also pins the timed loader choice, one
-# of the settings that make two runs agree), 2 LR runs of 40 steps, 2 epochs.
+# of the settings that make two runs agree), 2 LR runs of 40 steps, a noise scale from 6 steps, 2 epochs.
 REDUCED = {
     "loader": {"decoders": ["pil"], "workers": [0], "measure_baseline": False,
                "seconds_per_config": 0.3, "windows": 2, "warmup_batches": 1},
     "lr_finder": {"runs": 2, "num_iter": 40},
+    "noise_scale": {"steps": 6, "accumulate": 2},
     "train": {"epochs": 2},
 }
 RUN_TIMEOUT = 900
@@ -109,19 +110,22 @@ TRAIN = {"train_model"} | EVAL
 FORECAST = {"forecast", table("forecast"), "all"}
 # the training's settings file: a change of training's params
 SETTINGS = {"train_settings"} | TRAIN
-LR_SUMMARY = {"summarize_lr", table("lr")} | TRAIN
+# the noise scale: measured at the chosen LR, priced by the forecast
+NOISE = {"noise_scale", table("noise")} | FORECAST
+LR_SUMMARY = {"summarize_lr", table("lr")} | TRAIN | NOISE
 LR = {"lr_find[run=0]", "lr_find[run=1]"} | LR_SUMMARY | FORECAST
 MEMORY = {"solve_memory", table("memory")} | LR
 LOADER = {"benchmark_loader", table("loader")} | MEMORY
-# the optional LR validation, default grid: planned only when training takes its LR from it
+# the optional LR validation, default grid and its first edge step (a checkpoint: what it adds
+# is planned once it has run): planned only when training takes its LR from it
 VALIDATION = {f"validate_lr_run[multiple={m}]" for m in ("0.25", "0.5", "1", "2", "4")} | {
-    "summarize_lr_validation"}
+    "validate_lr_edge[step=0]", "validate_lr_extend_steps", "summarize_lr_validation"}
 # the check's dependents wait for it (checkpoint): planned is the check only
 HYDRATION = {"check_hydration", "all"}
 # new demo images: the demo and the check; the stages after it read the check's file index and
 # are planned once the check has run and found a changed census
 DATA = {"prepare_demo_data"} | HYDRATION
-TABLES = {table(t) for t in ("loader", "memory", "lr", "forecast", "eval")}
+TABLES = {table(t) for t in ("loader", "memory", "lr", "noise", "forecast", "eval")}
 
 CONFIG_CASES = {
     "dataset: demo images": ("demo: {jpeg_quality: 90}", DATA),
@@ -140,6 +144,8 @@ CONFIG_CASES = {
     "lr_finder: until_minimum": ("lr_finder: {until_minimum: false}", LR_SUMMARY),
     "train": ("train: {epochs: 3}", SETTINGS | FORECAST),
     "train: a key the forecast does not read": ("train: {save_top_k: 2}", SETTINGS),
+    "train: the noise scale's logging switch": ("train: {noise_scale: false}", SETTINGS),
+    "noise_scale": ("noise_scale: {steps: 5}", NOISE),
     # the two at once (Snakemake's `ancient` would otherwise hide training's own change)
     "train and the price": ("train: {save_top_k: 2}\nclusters: {local: {price_per_hour: 4.5}}",
                             SETTINGS | FORECAST),
@@ -183,6 +189,7 @@ CODE_CASES = {
     "lr_validation.py (imported by training)": ("lr_validation.py", (), TRAIN),
     "evaluate.py": ("evaluate.py", (), EVAL),
     "forecast.py": ("forecast.py", (), FORECAST),
+    "noise_scale.py": ("noise_scale.py", (), NOISE),
     "report_tables.py": ("report_tables.py", (), TABLES | {"all"}),
     # the stages up to the LR summary do not run evaluate.py
     "evaluate.py, unrelated to the LR summary": ("evaluate.py", ("results/lr/local_summary.json",),
@@ -298,8 +305,10 @@ DECLARED_INPUTS = {
     "results/lr/local/run0.json": ["results/memory/local.json"],
     "results/lr/local_summary.json": ["results/lr/local/run0.json", "results/lr/local/run1.json",
                                       "results/memory/local.json"],
+    "results/noise/local.json": ["results/memory/local.json", "results/lr/local_summary.json"],
     "results/forecast/local.json": ["results/lr/local/run0.json", "results/lr/local/run1.json",
                                     "results/loader/local.json", "results/memory/local.json",
+                                    "results/noise/local.json",
                                     "results/hydration/local.train.tsv",
                                     "results/hydration/local.val.tsv"],
     "results/train/local/train_summary.json": ["results/memory/local.json",
@@ -387,6 +396,8 @@ def test_two_complete_runs_agree_on_the_cpu(demo_run, tmp_path):
         assert a["history"] == b["history"], run
         assert a == b, run
     assert stable(one / "lr/local_summary.json") == stable(two / "lr/local_summary.json")
+    n1, n2 = (json.loads((r / "noise/local.json").read_text()) for r in (one, two))
+    assert (n1["history"], n1["b_simple"]) == (n2["history"], n2["b_simple"])
     t1 = json.loads((one / "train/local/train_summary.json").read_text())
     t2 = json.loads((two / "train/local/train_summary.json").read_text())
     assert t1["val_acc1_by_epoch"] == t2["val_acc1_by_epoch"]
@@ -400,10 +411,10 @@ def test_two_complete_runs_agree_on_the_cpu(demo_run, tmp_path):
 # --- the report -------------------------------------------------------------------------------
 
 FIGURES = ("results/hydration/local.png", "results/loader/local.png", "results/memory/local.png",
-           "results/lr/local.png", "results/train/local/curves.png",
+           "results/lr/local.png", "results/noise/local.png", "results/train/local/curves.png",
            "results/eval/local_confusion.png")
 REPORT_TABLES = tuple(f"results/report/local/{t}.html"
-                      for t in ("loader", "memory", "lr", "eval", "forecast"))
+                      for t in ("loader", "memory", "lr", "eval", "forecast", "noise"))
 
 
 def report_results(html: str) -> dict:
@@ -461,6 +472,42 @@ def test_the_forecast_comes_before_training_and_beside_its_outcome(demo_run):
     assert "results/forecast/local.json" in s["provenance"]["inputs"]
     page = (demo_run / "results/report/local/forecast.html").read_text()
     assert html.escape(forecast.sentence(f)) in page
+
+
+def test_the_noise_scale_before_training_and_during_it(demo_run):
+    """The noise-scale stage of the shared run at the plan's per-device batch, its verdict in
+    the forecast, the training log and the report; and B_simple of each epoch, from the 2 CPU
+    ranks' gradients, in metrics.csv, the curves' data and the training summary."""
+    import pandas as pd
+
+    noise = json.loads((demo_run / "results/noise/local.json").read_text())
+    memory = json.loads((demo_run / "results/memory/local.json").read_text())
+    steps, accumulate = REDUCED["noise_scale"]["steps"], REDUCED["noise_scale"]["accumulate"]
+    assert noise["small_batch"] == memory["per_device_batch"]
+    assert noise["big_batch"] == accumulate * memory["per_device_batch"]
+    assert noise["steps"] == len(noise["history"]["big_sq"]) == steps
+    assert noise["global_batch"] == memory["global_batch"]
+    sentence = noise["advice"]["sentence"]
+    if noise["b_simple"] is None:
+        assert "no noise scale" in sentence
+    else:
+        assert sentence.startswith(f"global batch {memory['global_batch']:,} is "
+                                   f"{memory['global_batch'] / noise['b_simple']:.2g}x")
+    f = json.loads((demo_run / "results/forecast/local.json").read_text())
+    assert f["batch_vs_noise"]["sentence"] == sentence
+    assert all(o["device_hours"] > 0 for o in f["batch_vs_noise"]["options"])
+    assert f"Batch: {sentence}" in (demo_run / "logs/train/local.log").read_text()
+    for table in ("noise", "forecast"):
+        assert html.escape(sentence) in \
+            (demo_run / f"results/report/local/{table}.html").read_text()
+
+    s = json.loads((demo_run / "results/train/local/train_summary.json").read_text())["noise_scale"]
+    assert s["logged"] and (s["small_batch"], s["big_batch"]) == (64, 128)
+    assert [e["epoch"] for e in s["by_epoch"]] == list(range(REDUCED["train"]["epochs"]))
+    assert all(e["b_simple"] > 0 and e["steps"] > 0 for e in s["by_epoch"])
+    metrics = pd.read_csv(demo_run / "results/train/local/metrics.csv")
+    logged = metrics.dropna(subset=["train/noise_scale"])["train/noise_scale"].tolist()
+    assert logged == pytest.approx([e["b_simple"] for e in s["by_epoch"]], rel=1e-4)
 
 
 # --- lint and format ----------------------------------------------------------------------------

@@ -262,6 +262,7 @@ clusters:
           ram_gb: 4, cpu_processes: 1}
 loader: {seconds_per_config: 0.45, windows: 3, warmup_batches: 1}
 lr_finder: {runs: 2}
+noise_scale: {steps: 4, accumulate: 2}
 train: {epochs: 3, limit_train_batches: 6, limit_val_batches: 3}
 """
 
@@ -415,6 +416,8 @@ def test_training_was_one_srun_step_over_two_nodes(slurm_demo):
         assert task["launch_vars_at_start"] == {}, task  # nothing set by hand or inherited
     assert len({r["slurm"]["step_id"] for r in ranks}) == 1  # one srun step
     assert s["main_address"].startswith(f"{NODES[0]}:"), s["main_address"]  # first node
+    # the gradient noise scale from the two nodes' local gradients and the all-reduced one
+    assert s["noise_scale"]["logged"] and len(s["noise_scale"]["by_epoch"]) == s["epochs_run"]
     steps = {r["JobID"]: r for r in sacct(job, steps=True)}
     assert steps[job]["NodeList"] == "imgclf-n[1-2]" and steps[job]["State"] == "COMPLETED"
     step = steps[f"{job}.{ranks[0]['slurm']['step_id']}"]

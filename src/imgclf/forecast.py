@@ -22,7 +22,7 @@ import socket
 import statistics
 import time
 
-from imgclf import cuda_builds, index, recipes, slurm
+from imgclf import cuda_builds, index, noise_scale, recipes, slurm
 from imgclf.errors import UserError
 from imgclf.plan import Plan
 from imgclf.provenance import read_json, write_artifact
@@ -291,13 +291,20 @@ def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, trai
                         "checkpoint writes"}
 
 
-def run(runs, loader_path, memory_path, train_index, val_index, hw, model, train, out) -> dict:
+def run(runs, loader_path, memory_path, noise_path, train_index, val_index, hw, model, train,
+        out) -> dict:
     plan = Plan.read(memory_path, hw["name"])
     forecast = make([read_json(p) for p in runs], read_json(loader_path), plan, hw, model,
                     train, train_index, val_index)
+    noise = read_json(noise_path)
+    forecast["batch_vs_noise"] = {
+        "b_simple": noise["b_simple"], "stderr": noise["stderr"],
+        **noise_scale.with_forecast(noise["advice"], forecast)}
     log.info("%s", sentence(forecast))
+    log.info("%s", forecast["batch_vs_noise"]["sentence"])
     return write_artifact(out, forecast, config_slice={"hw": hw, "model": model, "train": train},
-                          inputs=[*runs, loader_path, memory_path, train_index, val_index])
+                          inputs=[*runs, loader_path, memory_path, noise_path, train_index,
+                                  val_index])
 
 
 def read(path) -> dict | None:

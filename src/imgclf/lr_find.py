@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -185,36 +186,60 @@ def _eval_seconds(net, loader, device, amp: dict, steps: int = EVAL_STEPS) -> li
     return [round(s, 5) for s in seconds[1:]]
 
 
-def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
-         batch_size: int | None = None, threads: int | None = None) -> dict:
-    """One LR range test with the recipe's model, loss, optimizer and batch mixing on one device
-    of hardware entry `hw`; returns the loss curve and where it diverged."""
+@dataclass
+class OneDeviceRun:
+    """What a single-device run on the recipe trains with (an LR range test, the noise-scale
+    measurement): the device, its AMP arguments, model, batch mixing, loss and loader."""
+
+    recipe: recipes.Recipe
+    device: object
+    amp: dict
+    net: object
+    mixer: object
+    criterion: object
+    loader: object
+    classes: int
+
+
+def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int, seed: int,
+                   run: int, threads: int | None = None) -> OneDeviceRun:
+    """The model, data and device of run `run` at `batch`, seeded by `seed`, with the recipe's
+    model, loss and batch mixing on one device of entry `hw`."""
     import torch
 
     hardware.check_precision(hw, model["precision"])  # the entry's GPU model, before any work
     if threads:
         torch.set_num_threads(threads)
-    seed = cfg["seed"] + run
     torch.manual_seed(seed)
     recipe = recipes.get(model["recipe"])
-    batch = batch_size or plan.per_device_batch
     device = _device(hw, run)
     if device.type == "cuda":  # the device itself decides
         hardware.check_precision(hw, model["precision"], hardware.capability())
-    amp = _amp(model["precision"], device)
     train_set = data.train_dataset(source, plan.decoder, model["resolution"], recipe)
     net = recipes.build_model(model["arch"], len(train_set.classes), recipe.drop_path)
     if model["channels_last"]:
         net = net.to(memory_format=torch.channels_last)
-    net = net.to(device)
-    mixer = data.batch_mixer(recipe, len(train_set.classes))
     loader = data.loader(train_set, batch, plan.num_workers, plan.prefetch_factor, shuffle=True,
                          seed=seed, pin_memory=device.type == "cuda", drop_last=True)
+    return OneDeviceRun(recipe=recipe, device=device, amp=_amp(model["precision"], device),
+                        net=net.to(device), mixer=data.batch_mixer(recipe, len(train_set.classes)),
+                        criterion=recipes.build_loss(recipe), loader=loader,
+                        classes=len(train_set.classes))
+
+
+def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
+         batch_size: int | None = None, threads: int | None = None) -> dict:
+    """One LR range test with the recipe's model, loss, optimizer and batch mixing on one device
+    of hardware entry `hw`; returns the loss curve and where it diverged."""
+    seed = cfg["seed"] + run
+    batch = batch_size or plan.per_device_batch
+    r = one_device_run(source, model, hw, plan, batch, seed, run, threads)
+    recipe, device, amp, net, loader = r.recipe, r.device, r.amp, r.net, r.loader
     finder = _finder(net, recipes.build_optimizer(net, recipe, lr=cfg["start_lr"]),
-                     recipes.build_loss(recipe), device, amp)
+                     r.criterion, device, amp)
     accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1
     start, waits = time.perf_counter(), []
-    finder.range_test(_batches(loader, mixer, device, waits), start_lr=cfg["start_lr"],
+    finder.range_test(_batches(loader, r.mixer, device, waits), start_lr=cfg["start_lr"],
                       end_lr=cfg["end_lr"],
                       num_iter=cfg["num_iter"], step_mode="exp", smooth_f=cfg["smooth_f"],
                       diverge_th=cfg["diverge_th"], accumulation_steps=accumulation)

@@ -190,8 +190,8 @@ def lr_summary(runs: list[dict], summary: dict, path) -> None:
 
 def lr_validation(result: dict, path) -> None:
     """Final validation loss and top-1 of each short training against its LR (log scale), the
-    chosen LR and the grid's best marked. A diverged run (no finite loss) shows as an x on the
-    axis's floor."""
+    chosen LR, the grid's best and the extra multiples beyond its edge marked. A diverged run
+    (no finite loss) shows as an x on the axis's floor."""
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax_loss = fig.subplots()
     ax_acc = ax_loss.twinx()
@@ -213,6 +213,10 @@ def lr_validation(result: dict, path) -> None:
     best = result["best"]["lr"]
     if best != chosen:
         ax_loss.axvline(best, color="tab:orange", ls=":", label=f"grid's best {best:.3g}")
+    edge = result["extension"]
+    for i, lr in enumerate(r["lr"] for r in runs if r["multiple"] in edge["extra_multiples"]):
+        ax_loss.axvline(lr, color="grey", alpha=0.25, lw=8,
+                        label=None if i else "extra multiple (beyond the grid's edge)")
     ax_loss.set_xscale("log")
     ax_loss.set_xticks(lrs, [f"{r['multiple']:g}x\n{r['lr']:.2g}" for r in runs], fontsize=8)
     ax_loss.minorticks_off()
@@ -222,8 +226,53 @@ def lr_validation(result: dict, path) -> None:
     handles = [h for ax in (ax_loss, ax_acc) for h in ax.get_legend_handles_labels()[0]]
     ax_loss.legend(handles=handles, fontsize=8, loc="upper center")
     ax_loss.grid(True, which="both", alpha=0.3)
+    at_edge = "" if edge["next_multiple"] is None else ", best at the edge"
     ax_loss.set_title(f"LR validation: verdict {result['verdict']}, chosen LR ranks "
-                      f"{result['chosen_rank']} of {result['of']}", fontsize=10)
+                      f"{result['chosen_rank']} of {result['of']}{at_edge}", fontsize=10)
+    save(fig, path, dpi=110)
+
+
+# --- gradient noise scale -----------------------------------------------------------------------
+
+def noise_scale(result: dict, path) -> None:
+    """Left: the running B_simple as steps are added, with the final bootstrap band. Right:
+    the paper's time and cost against the global batch, relative to the plan."""
+    from imgclf.noise_scale import time_ratio, unbiased
+
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    ax_run, ax_model = fig.subplots(1, 2)
+    h, value = result["history"], result["b_simple"]
+    grad_sq, trace = unbiased(h["small_sq"], h["big_sq"], result["small_batch"],
+                              result["big_batch"])
+    steps = np.arange(1, len(grad_sq) + 1)
+    g_mean, t_mean = np.cumsum(grad_sq) / steps, np.cumsum(trace) / steps
+    running = np.where(g_mean > 0, t_mean / np.where(g_mean > 0, g_mean, 1), np.nan)
+    ax_run.plot(steps, running, marker="o", ms=3, label="running estimate")
+    if result.get("interval_68"):
+        ax_run.axhspan(*result["interval_68"], color="grey", alpha=0.2,
+                       label="68 % bootstrap interval")
+    ax_run.set_xlabel("steps used")
+    ax_run.set_ylabel("B_simple (images)")
+    ax_run.set_title(f"B_simple {'none' if value is None else f'{value:,.0f}'} from batches "
+                     f"{result['small_batch']} and {result['big_batch']}", fontsize=10)
+    planned = result["global_batch"]
+    if value:
+        lo, hi = np.log2(min(planned, value)) - 2, np.log2(max(planned, value)) + 2
+        batches = np.logspace(lo, hi, 61, base=2)
+        t = np.array([time_ratio(planned, b, value) for b in batches])
+        ax_model.plot(batches, t, label="time (steps) to the same loss")
+        ax_model.plot(batches, t * batches / planned, label="cost (device-hours)")
+        ax_model.axvline(planned, color="black", ls="--", label=f"planned {planned:,}")
+        ax_model.axvline(value, color="tab:red", ls=":", label=f"noise scale {value:,.0f}")
+        ax_model.set_xscale("log", base=2)
+        ax_model.set_yscale("log", base=2)
+    ax_model.set_xlabel("global batch (per-device batch fixed, devices vary)")
+    ax_model.set_ylabel("relative to the plan")
+    ax_model.set_title("S = S_min (1 + B_noise / B), McCandlish et al. 2018", fontsize=10)
+    for ax in (ax_run, ax_model):
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     save(fig, path, dpi=110)
 
 
@@ -242,9 +291,9 @@ def per_epoch(df, column: str):
 
 
 def train_curves(df, steps_per_epoch: int, path) -> None:
-    """Loss, top-1 and LR against epoch."""
-    fig = Figure(figsize=(14, 4), layout="constrained")
-    ax_loss, ax_acc, ax_lr = fig.subplots(1, 3)
+    """Loss, top-1, LR and the gradient noise scale against epoch."""
+    fig = Figure(figsize=(18, 4), layout="constrained")
+    ax_loss, ax_acc, ax_lr, ax_noise = fig.subplots(1, 4)
     for col, label in (("train/loss_epoch", "train (recipe loss)"),
                        ("val/loss", "val (cross-entropy)")):
         s = per_epoch(df, col)
@@ -266,7 +315,14 @@ def train_curves(df, steps_per_epoch: int, path) -> None:
     if ax_loss.get_lines():
         ax_loss.set_yscale("log")
     ax_lr.set_title("learning rate (per optimizer step)")
-    for ax, ylabel in ((ax_loss, "loss"), (ax_acc, "accuracy (%)"), (ax_lr, "LR")):
+    noise = per_epoch(df, "train/noise_scale")
+    if noise is not None:
+        ax_noise.plot(noise.index, noise.values, marker="o", ms=3)
+        ax_noise.set_yscale("log")
+    ax_noise.set_title("gradient noise scale B_simple" if noise is not None
+                       else "gradient noise scale: not logged")
+    for ax, ylabel in ((ax_loss, "loss"), (ax_acc, "accuracy (%)"), (ax_lr, "LR"),
+                       (ax_noise, "B_simple (images)")):
         ax.set_xlabel("epoch")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -1,5 +1,5 @@
 """The key tables of the Snakemake report: chosen loader settings, memory solve, LR summary,
-the training's forecast and evaluation, each a small self-contained HTML page made from its stage's JSON.
+the gradient noise scale, the training's forecast and evaluation, each a small self-contained HTML page made from its stage's JSON.
 
 HTML rather than TSV because the report shows an HTML result inline and offers any other text
 file only as a download. One page per stage, so a change reruns only the tables it touches."""
@@ -15,12 +15,13 @@ from imgclf.provenance import atomic_path, read_json
 
 log = logging.getLogger(__name__)
 
-TABLES = ("loader", "memory", "lr", "forecast", "eval")
+TABLES = ("loader", "memory", "lr", "noise", "forecast", "eval")
 # the stage JSON each table is made from ({cluster}: the hardware entry)
 SOURCES = {
     "loader": "results/loader/{cluster}.json",
     "memory": "results/memory/{cluster}.json",
     "lr": "results/lr/{cluster}_summary.json",
+    "noise": "results/noise/{cluster}.json",
     "forecast": "results/forecast/{cluster}.json",
     "eval": "results/eval/{cluster}.json",
 }
@@ -28,6 +29,7 @@ TITLES = {
     "loader": "Chosen loader settings",
     "memory": "Memory solve",
     "lr": "LR-finder summary",
+    "noise": "Gradient noise scale and the planned batch",
     "forecast": "Forecast of the training's time and cost",
     "eval": "Evaluation of the best checkpoint",
 }
@@ -151,6 +153,29 @@ def eval_tables(d: dict) -> list[tuple]:
              confused)]
 
 
+def noise_tables(d: dict) -> list[tuple]:
+    value, adv = d["b_simple"], d["advice"]
+    halves = d.get("halves") or [None, None]
+    rows = [
+        ("verdict", adv["sentence"]),
+        ("B_simple", "none" if value is None else
+         f"{value:,.0f} +- {d['stderr'] or 0:,.0f} (68 % interval "
+         f"{', '.join(f'{x:,.0f}' for x in d['interval_68'] or [])}; bootstrap over steps)"),
+        ("measured from", f"{d['steps']} steps of {d['big_batch']} images, each "
+                          f"{d['big_batch'] // d['small_batch']} accumulated micro-batches of "
+                          f"{d['small_batch']}, on {d['device']} in {d['seconds']:.0f} s"),
+        ("first / second half", " / ".join("none" if h is None else f"{h:,.0f}" for h in halves)),
+        ("LR", f"{d['lr']:.4g}: {d['lr_detail']}"),
+        ("model", d["model"]),
+        ("limits", d["limits"]),
+    ]
+    options = [(o["devices"], f"{o['global_batch']:,}", f"{o['time']:.2f}x", f"{o['cost']:.2f}x")
+               for o in adv["options"]]
+    return [("Noise scale", ("quantity", "value"), rows),
+            ("Other device counts, same per-device batch (the model's figures)",
+             ("devices", "global batch", "time", "cost"), options)]
+
+
 def forecast_tables(d: dict) -> list[tuple]:
     from imgclf.forecast import hms, sentence
 
@@ -178,11 +203,23 @@ def forecast_tables(d: dict) -> list[tuple]:
                                          f"{d['world_size']} devices, as measured here"))
     if d.get("loader_note"):
         rows.append(("loader benchmark", d["loader_note"]))
-    return [("Forecast", ("quantity", "value"), rows)]
+    tables = [("Forecast", ("quantity", "value"), rows)]
+    noise = d.get("batch_vs_noise")
+    if noise:
+        rows.append(("batch against the noise scale", noise["sentence"]))
+        tables.append((
+            "Other device counts, same per-device batch, to the same loss (McCandlish et al.)",
+            ("devices", "global batch", "time", "hours", "device-hours", "cost"),
+            [(o["devices"], f"{o['global_batch']:,}", f"{o['time']:.2f}x",
+              _num(o.get("hours")), _num(o.get("device_hours")),
+              f"{o['cost']:.2f}x" + ("" if o.get("cost_money") is None
+                                     else f" ({o['cost_money']:.2f})"))
+             for o in noise["options"]]))
+    return tables
 
 
 BUILDERS = {"loader": loader_tables, "memory": memory_tables, "lr": lr_tables,
-            "forecast": forecast_tables, "eval": eval_tables}
+            "noise": noise_tables, "forecast": forecast_tables, "eval": eval_tables}
 STYLE = ("body{font-family:sans-serif;font-size:13px;margin:1em}"
          "table{border-collapse:collapse;margin-bottom:1.2em}"
          "th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}"

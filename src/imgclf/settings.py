@@ -328,6 +328,18 @@ def lr_summary_params(config: dict, cluster_name: str) -> dict:
                       "recipe_name": config["model"]["recipe"]})
 
 
+def noise_scale_params(config: dict, cluster_name: str) -> dict:
+    """noise_scale: the training file index, `model.*`, `noise_scale.*` and the device keys of
+    the hardware entry (the per-device batch, the plan's devices and the chosen LR come from the
+    memory solve and the LR summary, input files)."""
+    return canonical({
+        "source": index_files(cluster_name)["train"],
+        "model": config["model"],
+        "hw": device_entry(config, cluster_name),
+        "cfg": config["noise_scale"],
+    })
+
+
 def forecast_params(config: dict, cluster_name: str) -> dict:
     """forecast: the hardware entry with its price and scaling efficiency, `model.*` (the CPU
     ranks' measurement builds the model) and the `train.*` keys that set how many batches run;
@@ -392,3 +404,9 @@ def lr_validation_params(config: dict, cluster_name: str) -> dict:
     v = config["validate_lr"]
     return canonical({"multiples": lr_validation.grid(v["multiples"]),
                       "tolerance": v["tolerance"]})
+
+
+def lr_validation_steps_params(config: dict, cluster_name: str) -> dict:
+    """validate_lr_extend_steps: how many steps the search beyond the grid's edge may take (the
+    walk's, never a run's or an edge step's)."""
+    return canonical({"extend_steps": config["validate_lr"]["extend_steps"]})

@@ -96,6 +96,7 @@ def all_targets(cluster):
         f"results/loader/{cluster}.json",
         f"results/memory/{cluster}.json",
         f"results/lr/{cluster}_summary.json",
+        f"results/noise/{cluster}.json",
         f"results/forecast/{cluster}.json",
         f"results/eval/{cluster}.json",
         *(f"results/report/{cluster}/{table}.html" for table in report_tables.TABLES),
@@ -112,11 +113,21 @@ def lr_summary_input(wildcards):
     return settings.lr_file(config["train"]["lr_source"], wildcards.cluster) or []
 
 
-def lr_validation_runs(cluster):
-    """The train summary of each multiple of the LR validation grid."""
+def lr_validation_runs(cluster, steps=None):
+    """The train summary of each multiple of the LR validation grid and of the multiples the
+    first `steps` edge checkpoints added (all `validate_lr.extend_steps` by default). A step
+    not yet run raises Snakemake's exception: it plans the step, then asks again."""
+    v = config["validate_lr"]
+    multiples = lr_validation.extended_grid(
+        v["multiples"],
+        v["extend_steps"] if steps is None else steps,
+        lambda step: lr_validation.read_edge(
+            checkpoints.validate_lr_edge.get(cluster=cluster, step=step).output[0]
+        ),
+    )
     return [
         f"results/lr/{cluster}/validate/x{lr_validation.multiple_name(m)}/train_summary.json"
-        for m in lr_validation.grid(config["validate_lr"]["multiples"])
+        for m in multiples
     ]
 
 

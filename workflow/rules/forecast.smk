@@ -2,15 +2,17 @@
 # that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
 rule forecast:
     """Training's time, images/s, bound, device-hours and cost, from the LR runs' step times,
-    the loader benchmark and the memory solve (CPU ranks: timed here, so the job takes the
+    the loader benchmark and the memory solve, and the same at device counts whose batch is
+    nearer the noise scale (CPU ranks: timed here, so the job takes the
     machine's CPUs)."""
     input:
         runs=lambda wc: lr_runs(wc.cluster),
         loader="results/loader/{cluster}.json",
         memory="results/memory/{cluster}.json",
+        noise="results/noise/{cluster}.json",
         train_index=train_index,
         val_index=val_index,
-        code=code("forecast", "recipes", "index"),
+        code=code("forecast", "recipes", "index", "noise_scale"),
     output:
         "results/forecast/{cluster}.json",
     log:

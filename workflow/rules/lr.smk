@@ -32,7 +32,7 @@ rule summarize_lr:
         plot=report(
             "results/lr/{cluster}.png",
             caption="../report/lr.rst",
-            category="4. Learning rate",
+            category="4. Learning rate and batch size",
         ),
     log:
         "logs/lr/{cluster}_summary.log",

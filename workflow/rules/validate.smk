@@ -1,10 +1,12 @@
 # The optional LR validation (not part of `all` or `train`): short real trainings at multiples
 # of the LR the summary chose; `snakemake results/lr/{cluster}_validation.json` runs it, and
-# `train.lr_source: validation` makes training depend on it.
+# `train.lr_source: validation` makes training depend on it. A best at the grid's edge is
+# followed outward by a chain of checkpoints (validate_lr_edge), each adding at most one run.
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
 # that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
 wildcard_constraints:
-    multiple=r"\d+(\.\d+)?(e-?\d+)?",
+    multiple=r"\d+(\.\d+)?(e[-+]?\d+)?",
+    step=r"\d+",
 
 
 rule validate_lr_run:
@@ -49,11 +51,48 @@ rule validate_lr_run:
         " --out-dir results/lr/{wildcards.cluster}/validate/x{wildcards.multiple} --log {log}"
 
 
+checkpoint validate_lr_edge:
+    """Step `step` beyond the grid's edge: from the runs so far (the grid and the multiples the
+    steps before it added), the next multiple to train, or none and why. A checkpoint: which
+    runs come next is known only once it has run (lr_validation_runs walks the chain). It reads
+    no config: how many steps there are is the walk's (`validate_lr.extend_steps`), so editing
+    that redoes no step and no run."""
+    input:
+        runs=lambda wc: lr_validation_runs(wc.cluster, int(wc.step)),
+        code=code("lr_validation"),
+    output:
+        "results/lr/{cluster}/validate/edge{step}.json",
+    log:
+        "logs/lr/{cluster}/validate_edge{step}.log",
+    localrule: True
+    script:
+        "../scripts/lr_validation_edge.py"
+
+
+rule validate_lr_extend_steps:
+    """`validate_lr.extend_steps` as a file, rewritten when it changes, which the aggregate
+    takes as an ordinary input. That input is what reruns the aggregate, and plans the edge
+    step its walk now reaches, when more steps are allowed: Snakemake does not rerun a job
+    whose output exists for a checkpoint it waits on that has not run (snakemake#4124), nor
+    look at the job's own reasons (its params) while it waits."""
+    output:
+        "results/lr/{cluster}/validate/extend_steps.json",
+    log:
+        "logs/lr/{cluster}/validate_extend_steps.log",
+    localrule: True
+    params:
+        p=lambda wc: settings.lr_validation_steps_params(config, wc.cluster),
+    run:
+        lr_validation.write_steps(output[0], params.p, log[0])
+
+
 rule summarize_lr_validation:
-    """Every multiple's final validation loss and top-1, the grid's best, where the chosen LR
-    ranks, and the verdict (ok, or warn with the LR the grid prefers)."""
+    """Every multiple's final validation loss and top-1 (the grid's and the edge steps' extra
+    ones), the grid's best, where the chosen LR ranks, whether the best is bracketed, and the
+    verdict (ok, or warn with the LR the grid prefers)."""
     input:
         runs=lambda wc: lr_validation_runs(wc.cluster),
+        steps="results/lr/{cluster}/validate/extend_steps.json",
         lr="results/lr/{cluster}_summary.json",
         code=code("lr_validation", "plots"),
     output:

@@ -37,8 +37,9 @@ from imgclf.index import BAD_FILES, add_bad_file, read_bad_files
 from imgclf.errors import UserError
 from imgclf.plan import LRSummary, Plan
 from imgclf.train import summary as after
-from imgclf.train.callbacks import (AtomicCheckpointIO, RequeueAtTimeLimit, RunRecorder,
-                                    Throughput, ValidateAtStepBudget, progress_callbacks)
+from imgclf.train.callbacks import (AtomicCheckpointIO, NoiseScaleLog, RequeueAtTimeLimit,
+                                    RunRecorder, Throughput, ValidateAtStepBudget,
+                                    progress_callbacks)
 from imgclf.train.ema import for_recipe
 from imgclf.train.module import ImageClassifier, ImageData, datasets, warmup_steps
 from imgclf.train.resume import agreed_resume, supersede, train_digest
@@ -293,6 +294,8 @@ def run(params: dict, memory_path, lr_summary_path, out_dir,
         log.info("LR %.5g from %s (%s)", job.lr["value"], job.lr["source"], job.lr["detail"])
         if expected is not None:
             log.info("Forecast: %s", forecasting.sentence(expected))
+            if expected.get("batch_vs_noise"):
+                log.info("Batch: %s", expected["batch_vs_noise"]["sentence"])
     quiet_lightning()
     L.seed_everything(job.t["seed"], workers=True, verbose=False)
     model_cfg = params["model"]
@@ -318,7 +321,10 @@ def run(params: dict, memory_path, lr_summary_path, out_dir,
         else job.warmup_fraction * job.epochs
     ema = for_recipe(job.recipe, global_batch=job.plan.global_batch, epochs=job.epochs,
                      warmup_epochs=ema_warmup)
+    noise = NoiseScaleLog(job.plan.per_device_batch * job.plan.accumulate_grad_batches,
+                          job.plan.global_batch) if job.t["noise_scale"] else None
     callbacks = [throughput, recorder, checkpoint, *bars, *([ema] if ema else []),
+                 *([noise] if noise else []),
                  *([ValidateAtStepBudget(job.max_steps)] if job.max_steps else []),
                  *([RequeueAtTimeLimit(job.out_dir / "checkpoints")]
                    if slurm.task_info() else [])]
@@ -336,11 +342,12 @@ def run(params: dict, memory_path, lr_summary_path, out_dir,
         raise
     if not trainer.is_global_zero:
         return None
-    return finish(job, trainer, datamodule, checkpoint, throughput, recorder, t_start, expected)
+    return finish(job, trainer, datamodule, checkpoint, throughput, recorder, t_start, expected,
+                  noise)
 
 
 def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
-           t_start: float, expected: dict | None = None) -> dict:
+           t_start: float, expected: dict | None = None, noise=None) -> dict:
     """Rank 0 after fit: metrics, curves, best.ckpt and train_summary.json."""
     total_steps = int(trainer.estimated_stepping_batches)
     metrics = after.write_outputs(job.out_dir, Path(recorder.csv_logger.root_dir), job.epochs,
@@ -356,6 +363,9 @@ def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
         "wall_seconds": round(time.perf_counter() - t_start, 2),
         "wall_seconds_all_attempts": round(recorder.wall_seconds(), 2),
         "against_forecast": after.against_forecast(expected, throughput, job.plan.num_workers),
+        "noise_scale": after.noise_scale(
+            noise, metrics, job.plan.per_device_batch * job.plan.accumulate_grad_batches,
+            job.plan.global_batch),
         "attempts": recorder.attempts,
         "peak_gpu_memory_gb": recorder.peak_gpu_gb,
         **run_shape(job, trainer),

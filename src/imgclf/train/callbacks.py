@@ -257,6 +257,69 @@ class RequeueAtTimeLimit(Callback):
             slurm.wait_for_the_requeue()
 
 
+class NoiseScaleLog(Callback):
+    """The gradient noise scale B_simple of each epoch, from every rank's local gradient (the
+    per-device batch times the accumulation) and the all-reduced one (the global batch), as a
+    DDP communication hook sees them (noise_scale.NormHook). Per step the norms are added up on
+    the device; at the epoch's end one all-reduce of three numbers averages the ranks' local
+    norms, and the ratio of the epoch's means is B_simple (`train/noise_scale` in metrics.csv).
+    Needs 2 or more ranks: one rank has a single batch size."""
+
+    def __init__(self, small_batch: int, big_batch: int):
+        self.small_batch, self.big_batch = small_batch, big_batch
+        self.by_epoch: list[dict] = []
+        self.hook = self.sums = None
+
+    def on_fit_start(self, trainer, pl_module):
+        from torch.nn.parallel import DistributedDataParallel
+
+        from imgclf.noise_scale import NormHook
+
+        model = trainer.strategy.model
+        if trainer.world_size < 2 or not isinstance(model, DistributedDataParallel):
+            return
+        self.hook = NormHook(pl_module.device)
+        model.register_comm_hook(None, self.hook.all_reduce)
+        self.sums = torch.zeros(3, device=pl_module.device)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.hook is None:
+            return
+        local, reduced = self.hook.take()
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: scaled grads
+        unscale = scaler.get_scale() ** 2 if scaler is not None else 1.0
+        ok = torch.isfinite(local) & torch.isfinite(reduced)  # a step AMP skips for overflow
+        zero = torch.zeros_like(local)
+        self.sums += torch.stack([torch.where(ok, local / unscale, zero),
+                                  torch.where(ok, reduced / unscale, zero), ok.float()])
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        from imgclf.noise_scale import ratio_of_means, unbiased
+
+        if self.hook is None:
+            return
+        sums = self.sums.clone()
+        torch.distributed.all_reduce(sums)  # the local norms' mean; the others are equal
+        sums /= trainer.world_size
+        self.sums.zero_()
+        steps = round(float(sums[2]))
+        if not steps:
+            return
+        grad_sq, trace = unbiased([float(sums[0]) / steps], [float(sums[1]) / steps],
+                                  self.small_batch, self.big_batch)
+        value = ratio_of_means(grad_sq, trace)
+        self.by_epoch.append({"epoch": trainer.current_epoch, "b_simple": value, "steps": steps,
+                              "grad_sq": float(grad_sq[0]), "trace": float(trace[0])})
+        if value is not None:
+            pl_module.log("train/noise_scale", value, on_step=False, on_epoch=True)
+
+    def state_dict(self):
+        return {"by_epoch": self.by_epoch}
+
+    def load_state_dict(self, state_dict):
+        self.by_epoch = state_dict.get("by_epoch", [])
+
+
 class ValidateAtStepBudget(Callback):
     """Stop at the step budget of an LR validation run through `trainer.should_stop`, which
     Lightning follows with a validation pass; reaching `max_steps` mid-epoch ends the run

@@ -24,7 +24,7 @@ log = logging.getLogger("imgclf.train")
 
 # Keys that do not change what is learned: editing them keeps last.ckpt resumable.
 RESUME_NEUTRAL = ("save_top_k", "log_every_n_steps", "compile", "cudnn_benchmark",
-                  "limit_val_batches")
+                  "limit_val_batches", "noise_scale")
 # How the process that decided hands its decision to the ranks Lightning's launcher starts
 # (they inherit its environment).
 DECISION_ENV = "IMGCLF_RESUME_DECISION"

@@ -106,6 +106,40 @@ def against_forecast(forecast: dict | None, throughput, workers: int) -> dict | 
                     "checkpoint writes are in neither"}
 
 
+def noise_scale(logged, metrics, small_batch: int, big_batch: int) -> dict:
+    """B_simple of each epoch beside its training loss, and whether it grew as the loss fell
+    (McCandlish et al. report that it does: a batch too large early may suit later)."""
+    if logged is None:
+        return {"logged": False, "why": "switched off by `train.noise_scale: false`"}
+    epochs = [e for e in logged.by_epoch if e["b_simple"] is not None]
+    if not epochs:
+        why = ("one rank has a single batch size, and B_simple needs two"
+               if logged.hook is None else "no epoch gave a positive |G|^2 estimate")
+        return {"logged": False, "why": why}
+    loss = plots.per_epoch(metrics, "train/loss_epoch")
+    for e in epochs:
+        e["train_loss"] = None if loss is None or e["epoch"] not in loss.index \
+            else float(loss[e["epoch"]])
+    first, last = epochs[0], epochs[-1]
+    out = {"logged": True, "small_batch": small_batch, "big_batch": big_batch,
+           "by_epoch": epochs, "first": first["b_simple"], "last": last["b_simple"],
+           "growth": round(last["b_simple"] / first["b_simple"], 3)}
+    paired = [(e["b_simple"], e["train_loss"]) for e in epochs if e["train_loss"] is not None]
+    rho = None
+    if len(paired) >= 3:
+        import pandas as pd
+
+        rho = float(pd.Series([b for b, _ in paired]).corr(pd.Series([x for _, x in paired]),
+                                                           method="spearman"))
+    out["rank_correlation_with_loss"] = rho
+    out["sentence"] = (
+        f"B_simple went from {first['b_simple']:,.0f} (epoch {first['epoch']}) to "
+        f"{last['b_simple']:,.0f} (epoch {last['epoch']}), {out['growth']:.2g}x"
+        + ("" if rho is None else f"; its rank correlation with the training loss is {rho:+.2f}"
+           f" ({'it grew as the loss fell' if rho < -0.5 else 'no clear growth as the loss fell'})"))
+    return out
+
+
 def write_outputs(out_dir: Path, csv_root: Path, epochs: int, total_steps: int) -> object:
     """metrics.csv and curves.png from every attempt's CSV log; returns the metrics table."""
     metrics = merge_metrics(csv_root)

@@ -1,0 +1,152 @@
+"""The gradient noise scale: the estimator against a problem whose answer is known, the paper's
+model as the report words it, and the norms a DDP hook takes on 2 real gloo ranks against the
+same gradients computed in one process. The stage's artifact, report section and the values
+logged in training are checked on the complete demo run (tests/test_reproducibility.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from imgclf import noise_scale
+
+
+def synthetic_norms(mean: np.ndarray, std: np.ndarray, batch: int, accumulate: int, steps: int,
+                    seed: int = 0):
+    """Per step, what the measurement records for per-example gradients ~ N(mean, diag(std^2)):
+    the mean squared norm of `accumulate` micro-batch gradients and that of their mean."""
+    rng = np.random.default_rng(seed)
+    small, big = [], []
+    for _ in range(steps):
+        examples = rng.normal(mean, std, size=(accumulate, batch, len(mean)))
+        micro = examples.mean(axis=1)
+        small.append(float((micro ** 2).sum(axis=1).mean()))
+        big.append(float((micro.mean(axis=0) ** 2).sum()))
+    return small, big
+
+
+def test_the_estimate_finds_a_noise_scale_set_by_hand():
+    """tr(Sigma)/|G|^2 = 200 * 4 / 1.0 = 800, measured at batches 32 and 128 (both far below
+    it, as on a real data set): within its own 68 % interval's reach and 10 % of the truth."""
+    mean = np.zeros(200)
+    mean[0] = 1.0
+    std = np.full(200, 2.0)
+    small, big = synthetic_norms(mean, std, batch=32, accumulate=4, steps=400)
+    est = noise_scale.estimate(small, big, 32, 128)
+    assert est["b_simple"] == pytest.approx(800, rel=0.10)
+    lo, hi = est["interval_68"]
+    assert lo < est["b_simple"] < hi
+    assert abs(est["b_simple"] - 800) < 3 * est["stderr"]
+    # the separate parts, too: |G|^2 = 1, tr(Sigma) = 800
+    assert est["grad_sq"] == pytest.approx(1.0, rel=0.10)
+    assert est["trace"] == pytest.approx(800, rel=0.05)
+
+
+def test_more_steps_narrow_the_interval():
+    mean, std = np.r_[1.0, np.zeros(99)], np.full(100, 2.0)
+    few = noise_scale.estimate(*synthetic_norms(mean, std, 16, 4, 25, seed=1), 16, 64)
+    many = noise_scale.estimate(*synthetic_norms(mean, std, 16, 4, 400, seed=1), 16, 64)
+    assert many["stderr"] < few["stderr"] / 2
+
+
+def test_pure_noise_gives_no_noise_scale_and_says_what_to_raise():
+    small, big = synthetic_norms(np.zeros(50), np.ones(50), 8, 4, 40)
+    est = noise_scale.estimate(small, big, 8, 32)
+    if est["b_simple"] is not None:  # a positive mean |G|^2 by chance: then a huge one
+        assert est["b_simple"] > 1000
+    adv = noise_scale.advice(1024, 8, None)
+    assert "noise_scale.steps" in adv["sentence"] and adv["options"] == []
+
+
+def test_the_paper_model_gives_the_figures_the_report_words():
+    """Well below the noise scale twice the devices nearly halve the time; well above it half
+    the devices cost little time and save much."""
+    below = noise_scale.advice(1024, 8, 3400, stderr=600)
+    assert below["sentence"] == ("global batch 1,024 is 0.3x the measured noise scale "
+                                 "(3,400 +- 600): twice the devices would cut the time to about "
+                                 "0.62x at 1.23x the cost")
+    above = noise_scale.advice(8192, 8, 1365)
+    assert "half the devices would take about 1.14x the time at about 0.57x the cost" \
+        in above["sentence"]
+    near = noise_scale.advice(1024, 8, 1024)
+    assert "balance" in near["sentence"]
+    # the count whose batch is nearest the noise scale is among the options
+    assert {o["devices"] for o in below["options"]} == {16, 4, 32}
+    assert noise_scale.time_ratio(1000, 2000, 1000) == pytest.approx(1.5 / 2)
+
+
+def test_the_forecast_prices_the_other_device_counts():
+    adv = noise_scale.advice(256, 4, 1024)
+    forecast = {"forecast_for_entry": True, "total_s": 7200, "device_hours": 8.0,
+                "price_per_hour": 16.0, "world_size": 4, "nodes": 1}
+    priced = noise_scale.with_forecast(adv, forecast)
+    twice = next(o for o in priced["options"] if o["devices"] == 8)
+    assert twice["hours"] == pytest.approx(2 * twice["time"])
+    assert twice["device_hours"] == pytest.approx(8.0 * twice["cost"], rel=1e-3)
+    assert twice["cost_money"] == pytest.approx(twice["device_hours"] * 4.0, rel=1e-3)
+    # no forecast for the entry: the model's ratios only
+    assert noise_scale.with_forecast(adv, {"forecast_for_entry": False}) == adv
+
+
+# --- the DDP hook on 2 gloo ranks ---------------------------------------------------------------
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def batch_of(rank: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def gradient(model, x, y) -> torch.Tensor:
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _rank(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(tiny_model(), bucket_cap_mb=0.0001)
+    hook = noise_scale.NormHook(torch.device("cpu"))
+    model.register_comm_hook(None, hook.all_reduce)
+    x, y = batch_of(rank)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    local, reduced = hook.take()
+    after = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    results.put((rank, float(local), float(reduced), after.tolist()))
+    dist.destroy_process_group()
+
+
+def test_the_hook_takes_each_ranks_norm_and_the_all_reduced_one():
+    """Many small buckets (the norms are summed over buckets); the gradients DDP leaves are the
+    all-reduced ones, unchanged by the hook."""
+    ctx = multiprocessing.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, rest) for r, *rest in (results.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+
+    model = tiny_model()
+    local = [gradient(model, *batch_of(r)) for r in range(2)]
+    mean = (local[0] + local[1]) / 2
+    for r in range(2):
+        sq_local, sq_reduced, after = got[r]
+        assert sq_local == pytest.approx(float(local[r].pow(2).sum()), rel=1e-5)
+        assert sq_reduced == pytest.approx(float(mean.pow(2).sum()), rel=1e-5)
+        assert after == pytest.approx(mean.tolist(), rel=1e-5, abs=1e-7)

@@ -1,0 +1,39 @@
+# No conda:/container: on these rules (the lint remark): their software is the imgclf package
+# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+rule noise_scale:
+    """The gradient noise scale B_simple from a few real training steps on one device (each the
+    per-device batch, accumulated), at the chosen LR, and what it says of the planned global
+    batch; the forecast prices it."""
+    input:
+        memory="results/memory/{cluster}.json",
+        lr="results/lr/{cluster}_summary.json",
+        index=train_index,
+        code=code(
+            "noise_scale",
+            "lr_find",
+            "recipes",
+            "data",
+            "images",
+            "index",
+            "plan",
+            "plots",
+        ),
+    output:
+        json="results/noise/{cluster}.json",
+        plot=report(
+            "results/noise/{cluster}.png",
+            caption="../report/noise_scale.rst",
+            category="4. Learning rate and batch size",
+        ),
+    log:
+        "logs/noise/{cluster}.log",
+    benchmark:
+        "benchmarks/noise_scale/{cluster}.tsv"
+    # CPU ranks: the machine's CPUs (one job); a GPU: one, as an LR run
+    threads: lambda wc: hw(wc)["cpus_per_node"] if hw(wc)["accelerator"] == "cpu" else 1
+    resources:
+        **gpu_job_resources(lambda wc: 1),
+    params:
+        p=lambda wc: settings.noise_scale_params(config, wc.cluster),
+    script:
+        "../scripts/noise_scale.py"
