@@ -150,8 +150,10 @@ def test_run_sh_takes_its_choice_from_cuda_builds():
 
 @pytest.fixture
 def cuda_device(monkeypatch):
-    """A CUDA device as torch would report it (the capability faked at torch's boundary)."""
+    """A CUDA device as torch would report it (the capability faked at torch's boundary).
+    torchvision is imported first: its import compares its CUDA build with torch's."""
     import torch
+    import torchvision  # noqa: F401
 
     def fake(name, cap, archs=("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"),
              cuda="13.2"):
@@ -331,15 +333,18 @@ def test_a_job_needing_more_gpus_than_the_machine_shows_is_one_sentence(nvidia_s
 
 
 def test_each_single_device_stage_refuses_emulated_bf16_before_it_starts(demo_root):
-    """The LR finder and evaluation of p3 in bf16-mixed stop in one sentence, on this machine
-    too (their plan is p3's), before any model is built."""
-    from imgclf import evaluate, lr_find
+    """The LR finder, the noise-scale measurement and evaluation of p3 in bf16-mixed stop in
+    one sentence, on this machine too (their plan is p3's), before any model is built."""
+    from imgclf import evaluate, lr_find, noise_scale
 
     p3 = settings.device_entry(settings.load(), "p3")
     model = {"arch": "resnet18", "recipe": "demo", "resolution": 16, "precision": "bf16-mixed",
              "channels_last": False}
     with pytest.raises(hardware.UserError, match="use `model.precision: 16-mixed`"):
         lr_find.find(str(demo_root), model, p3, plan=None, cfg={"seed": 0}, run=0)
+    with pytest.raises(hardware.UserError, match="use `model.precision: 16-mixed`"):
+        noise_scale.measure(str(demo_root), model, p3, plan=None, lr=None,
+                            cfg={"seed": 0, "accumulate": 2, "steps": 2})
     with pytest.raises(hardware.UserError, match="use `model.precision: 16-mixed`"):
         evaluate.pick_device(settings.cluster(settings.load(), "p3"), "bf16-mixed")
 

@@ -67,8 +67,8 @@ def test_the_paper_model_gives_the_figures_the_report_words():
     the devices cost little time and save much."""
     below = noise_scale.advice(1024, 8, 3400, stderr=600)
     assert below["sentence"] == ("global batch 1,024 is 0.3x the measured noise scale "
-                                 "(3,400 +- 600): twice the devices would cut the time to about "
-                                 "0.62x at 1.23x the cost")
+                                 "(3,400 +- 600): by the paper's model, twice the devices would "
+                                 "cut the time to about 0.62x at 1.23x the cost")
     above = noise_scale.advice(8192, 8, 1365)
     assert "half the devices would take about 1.14x the time at about 0.57x the cost" \
         in above["sentence"]

@@ -189,9 +189,10 @@ def _eval_seconds(net, loader, device, amp: dict, steps: int = EVAL_STEPS) -> li
 @dataclass
 class OneDeviceRun:
     """What a single-device run on the recipe trains with (an LR range test, the noise-scale
-    measurement): the device, its AMP arguments, model, batch mixing, loss and loader."""
+    measurement): the device, its AMP arguments, model, batch, batch mixing, loss and loader."""
 
     recipe: recipes.Recipe
+    batch: int
     device: object
     amp: dict
     net: object
@@ -201,13 +202,15 @@ class OneDeviceRun:
     classes: int
 
 
-def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int, seed: int,
-                   run: int, threads: int | None = None) -> OneDeviceRun:
-    """The model, data and device of run `run` at `batch`, seeded by `seed`, with the recipe's
-    model, loss and batch mixing on one device of entry `hw`."""
+def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int | None,
+                   seed: int, run: int, threads: int | None = None) -> OneDeviceRun:
+    """The model, data and device of run `run` at `batch` (None: the plan's per-device batch),
+    seeded by `seed`, with the recipe's model, loss and batch mixing on one device of entry
+    `hw`."""
     import torch
 
     hardware.check_precision(hw, model["precision"])  # the entry's GPU model, before any work
+    batch = batch or plan.per_device_batch
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -221,10 +224,11 @@ def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int, s
         net = net.to(memory_format=torch.channels_last)
     loader = data.loader(train_set, batch, plan.num_workers, plan.prefetch_factor, shuffle=True,
                          seed=seed, pin_memory=device.type == "cuda", drop_last=True)
-    return OneDeviceRun(recipe=recipe, device=device, amp=_amp(model["precision"], device),
-                        net=net.to(device), mixer=data.batch_mixer(recipe, len(train_set.classes)),
-                        criterion=recipes.build_loss(recipe), loader=loader,
-                        classes=len(train_set.classes))
+    classes = len(train_set.classes)
+    return OneDeviceRun(recipe=recipe, batch=batch, device=device,
+                        amp=_amp(model["precision"], device), net=net.to(device),
+                        mixer=data.batch_mixer(recipe, classes),
+                        criterion=recipes.build_loss(recipe), loader=loader, classes=classes)
 
 
 def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
@@ -232,9 +236,8 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
     """One LR range test with the recipe's model, loss, optimizer and batch mixing on one device
     of hardware entry `hw`; returns the loss curve and where it diverged."""
     seed = cfg["seed"] + run
-    batch = batch_size or plan.per_device_batch
-    r = one_device_run(source, model, hw, plan, batch, seed, run, threads)
-    recipe, device, amp, net, loader = r.recipe, r.device, r.amp, r.net, r.loader
+    r = one_device_run(source, model, hw, plan, batch_size, seed, run, threads)
+    recipe, batch, device, amp, net, loader = r.recipe, r.batch, r.device, r.amp, r.net, r.loader
     finder = _finder(net, recipes.build_optimizer(net, recipe, lr=cfg["start_lr"]),
                      r.criterion, device, amp)
     accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1

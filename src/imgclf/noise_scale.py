@@ -35,11 +35,14 @@ MODEL = ("McCandlish et al. 2018: steps to a given loss S = S_min (1 + B_noise/B
          "images E = E_min (1 + B/B_noise), with B_noise taken as the measured B_simple. At a "
          "fixed per-device batch a step takes the same time on more devices (perfect scaling "
          "assumed), so time scales as S and device-hours (cost) as devices x S.")
-LIMITS = ("B_simple predicts the critical batch exactly only for plain SGD with a "
-          "well-conditioned Hessian (the paper finds it within a small factor across tasks, "
-          "also with Adam); the model assumes the LR is retuned for each batch; and the noise "
-          "scale grows as the loss falls, often 10x over a training, so an estimate from the "
-          "first steps undershoots the batch that pays later in training.")
+LIMITS = ("B_simple equals the paper's B_noise, which predicts the critical batch, only for "
+          "plain SGD with a Hessian proportional to the identity (the paper uses it as a proxy "
+          "that tracks the critical batch roughly on its tasks); the model assumes the LR is "
+          "retuned for each batch; and the noise scale grows as the loss falls, often 10x over a "
+          "training, so an estimate from the first steps undershoots the batch that pays later "
+          "in training. On the demo digits it overstated what a larger batch buys towards a validation loss by more than an "
+          "order of magnitude (docs/benchmarks.md, \"Gradient noise scale\"): check it on "
+          "your data before buying devices by it.")
 
 
 # --- the estimator ---------------------------------------------------------------------------
@@ -131,11 +134,11 @@ def advice(global_batch: int, devices: int, b_noise: float | None,
     head = f"global batch {global_batch:,} is {ratio:.2g}x the measured noise scale " \
            f"({b_noise:,.0f}{pm})"
     if ratio > 2 and half:
-        tail = f"half the devices would take about {half['time']:.2f}x the time at about " \
-               f"{half['cost']:.2f}x the cost"
+        tail = f"by the paper's model, half the devices would take about {half['time']:.2f}x " \
+               f"the time at about {half['cost']:.2f}x the cost"
     elif ratio < 0.5 or not half:
-        tail = f"twice the devices would cut the time to about {twice['time']:.2f}x at " \
-               f"{twice['cost']:.2f}x the cost"
+        tail = f"by the paper's model, twice the devices would cut the time to about " \
+               f"{twice['time']:.2f}x at {twice['cost']:.2f}x the cost"
     else:
         tail = (f"near the paper's balance of time and cost (B = B_noise: twice the fewest "
                 f"steps and twice the fewest images); twice the devices would take "
@@ -256,8 +259,8 @@ def measure(source: str, model: dict, hw: dict, plan: Plan, lr: LRSummary, cfg: 
     from imgclf import lr_find, recipes
     from imgclf.progress import progress
 
-    k, b = int(cfg["accumulate"]), plan.per_device_batch
-    run = lr_find.one_device_run(source, model, hw, plan, b, cfg["seed"], 0, threads)
+    run = lr_find.one_device_run(source, model, hw, plan, None, cfg["seed"], 0, threads)
+    k, b = int(cfg["accumulate"]), run.batch
     step_lr = lr_find.scale_lr(lr.chosen_lr, lr.finder_batch, b * k, lr.scaling)
     optimizer = recipes.build_optimizer(run.net, run.recipe, lr=step_lr)
     scaler = run.amp.get("grad_scaler")
