@@ -53,6 +53,7 @@ HOW = {
     "tests/slurm/up.sh && ./run.sh test tests/test_slurm.py; tests/slurm/down.sh":
         "it starts a Slurm cluster as root (.ci/run does, after the suite)",
     "./run.sh test tests/test_lr.py -k aggregation": "it runs part of this suite",
+    './run.sh test -m "not pipeline"': "it runs part of this suite",
     ".ci/min-versions": "it installs the declared minimum versions into .venv-min",
     ".venv/bin/python -m pytest -m gpu": "it runs the GPU tests, skipped without a GPU",
 }

@@ -1,9 +1,9 @@
-"""The named recipes build what README.md's recipe table says, and the pieces the table names
-(repeated-augmentation sampler, EMA of the weights) behave as published.
+"""The named recipes build what the recipe table of docs/training.md says, and the pieces the
+table names (repeated-augmentation sampler, EMA of the weights) behave as published.
 
-The table is parsed from README.md and every cell is rendered again from the built objects
-(transforms, loss, optimizer, batch mixer, EMA callback, sampler, model), so the README and the
-code cannot drift apart."""
+The table is parsed from docs/training.md and every cell is rendered again from the built
+objects (transforms, loss, optimizer, batch mixer, EMA callback, sampler, model), so the document
+and the code cannot drift apart."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from torchvision.transforms import v2
 
 from imgclf import data, recipes
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TABLE_DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 RES = 224
 NONE = "-"
 
 
 def readme_table() -> dict[str, dict[str, str]]:
     """{recipe: {row label: cell}} from the table whose header starts `| recipe |`."""
-    lines = README.read_text().splitlines()
+    lines = TABLE_DOC.read_text().splitlines()
     head = next(i for i, line in enumerate(lines) if re.match(r"\|\s*recipe\s*\|\s*`", line))
 
     def cells(line):
@@ -70,7 +70,7 @@ def norm_and_bias_params(model: nn.Module) -> set[int]:
 
 
 def render(recipe: recipes.Recipe) -> dict[str, str]:
-    """The README cells of `recipe`, from the objects the project builds for it."""
+    """The table cells of `recipe`, from the objects the project builds for it."""
     from timm.layers import DropPath
     from timm.loss import BinaryCrossEntropy
     from timm.optim import Lamb

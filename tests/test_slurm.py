@@ -183,13 +183,13 @@ def test_cpu_ranks_share_the_cores_unless_slurm_bound_them(monkeypatch):
 
 
 def test_readme_shows_the_p4_2x8_lines_the_plugin_builds(tmp_path):
-    """The README's sbatch and srun lines for p4 as 2 x 8 are the ones the plugin and the rule
-    make (the sbatch options in the plugin's order, then the GRES it appends)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """The sbatch and srun lines for p4 as 2 x 8 in docs/slurm.md are the ones the plugin and the
+    rule make (the sbatch options in the plugin's order, then the GRES it appends)."""
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "slurm.md").read_text()
     m = re.search(r"one sbatch job with\s+`(?P<sbatch>[^`]+)`.*?srun step\s+`(?P<srun>[^`]+)`",
                   readme, re.S)
-    assert m, "README: the p4x2 paragraph no longer quotes the sbatch and srun lines"
-    forecast = tmp_path / "forecast.json"  # the README's example: 20 hours by the forecast
+    assert m, "docs/slurm.md: the p4x2 paragraph no longer quotes the sbatch and srun lines"
+    forecast = tmp_path / "forecast.json"  # the document's example: 20 hours by the forecast
     forecast.write_text(json.dumps({"total_s": 20 * 3600}))
     p4 = {**P4X2, "slurm_time_limit_minutes": 2880}
     res = {**slurm.train_resources(p4, True), "runtime": slurm.train_runtime(str(forecast), p4),
