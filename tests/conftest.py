@@ -78,6 +78,29 @@ def through_memory(tmp_path_factory, demo_root) -> Path:
     return work
 
 
+def one_sentence(text: str) -> bool:
+    """What a user's error must be: one sentence, on one line, ended by a full stop (a ". "
+    inside would start a second one)."""
+    return text.endswith(".") and ". " not in text and "\n" not in text
+
+
+def resume_point(checkpoint: Path, relative_to: Path) -> dict:
+    """What a training that resumes from `checkpoint` records as `resumed_from` in
+    train_summary.json: the checkpoint (as the rule names it, relative to the workflow) and the
+    epoch and global step it was saved at."""
+    import torch
+
+    ckpt = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+    return {"checkpoint": str(checkpoint.relative_to(relative_to)), "epoch": int(ckpt["epoch"]),
+            "global_step": int(ckpt["global_step"])}
+
+
+def resume_line(point: dict) -> str:
+    """The line the training's log says it resumed from `point` with."""
+    return (f"resuming from {point['checkpoint']} (epoch {point['epoch']}, step "
+            f"{point['global_step']}): its training digest matches")
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark `pipeline` every test that runs Snakemake end to end through a fixture (its own or
     one it depends on: item.fixturenames is the closure), so that `-m "not pipeline"` is the

@@ -11,6 +11,7 @@ command's block; its data set is the demo's."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -74,6 +75,14 @@ REDUCED = {"loader": {"decoders": ["pil"], "workers": [0], "prefetch_factors": [
                       "warmup_batches": 1, "measure_baseline": False},
            "lr_finder": {"num_iter": 30, "skip_start": 3, "skip_end": 2},
            "noise_scale": {"steps": 4, "accumulate": 2}}
+# The hardware entries whose plans (results/memory/) a real run writes or reads, with the LR
+# summary it writes for one of them: the plan's global batch is its entry's devices times the
+# per-device batch and accumulation, and the summary scales its LR to that batch.
+PLANS = {
+    "snakemake results/lr/g5_summary.json": (["g5"], "g5"),
+    "imgclf lr-summary --cluster g5": (["g5"], "g5"),
+    **{c: (["g5", "p3", "p4"], None) for c in HOW if c.startswith("for c in")},
+}
 DOCUMENTS = ("README.md", "config/README.md", "docs/*.md")
 
 
@@ -226,13 +235,29 @@ def test_real_run_as_typed(command, work, real_runs):
     assert "Traceback" not in out
     for path in LEAVES.get(command, []):
         assert (work / path).is_file(), (command, path)
+    entries, summarized = PLANS.get(command, ([], None))
+    for entry in entries:
+        assert_batch_follows_the_plan(work, entry, summarized == entry)
+
+
+def assert_batch_follows_the_plan(work: Path, entry: str, summarized: bool) -> None:
+    from imgclf import lr_find, settings
+
+    cluster = settings.cluster(settings.load(), entry)
+    devices = int(cluster["devices_per_node"]) * int(cluster["nodes"])
+    plan = json.loads((work / f"results/memory/{entry}.json").read_text())
+    assert plan["global_batch"] == \
+        plan["per_device_batch"] * plan["accumulate_grad_batches"] * devices, (entry, plan)
+    if summarized:
+        s = json.loads((work / f"results/lr/{entry}_summary.json").read_text())
+        assert s["global_batch"] == plan["global_batch"], (entry, s["global_batch"])
+        assert s["training_lr"] == pytest.approx(lr_find.scale_lr(
+            s["chosen_lr"], s["lr_finder_effective_batch"], plan["global_batch"], s["scaling"]))
 
 
 def test_a_plan_for_gpus_this_machine_lacks_gets_no_forecast(work, real_runs):
     """The g5 plan made on this machine (no A10G): the forecast says it is none for that
     hardware and gives only the input-bound rate."""
-    import json
-
     res = real_runs("snakemake results/forecast/g5.json")
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     f = json.loads((work / "results/forecast/g5.json").read_text())

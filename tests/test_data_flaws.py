@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import SNAKEMAKE, snakemake
+from conftest import SNAKEMAKE, one_sentence, resume_line, resume_point, snakemake
 from imgclf import data, hydration, index, recipes, settings
 from imgclf.hydration import integrity
 
@@ -114,7 +114,7 @@ def test_folder_problems_fail_in_one_sentence_with_the_findings_kept(flaw, workf
     res, out = run(workflow_copy, tmp_path, root, CHECK)
     assert res.returncode != 0 and "Traceback" not in out
     sentence = next(line for line in out.splitlines() if "Hydration check failed" in line)
-    assert str(folder) in sentence
+    assert one_sentence(sentence) and str(folder) in sentence
     findings = workflow_copy / "results/hydration/local.findings.json"
     assert str(findings.relative_to(workflow_copy)) in sentence
     assert json.loads(findings.read_text())["verdict"] == "fail"  # kept after the failed job
@@ -132,7 +132,7 @@ def test_bad_files_can_fail_the_check(setting, key, workflow_copy, demo_root, tm
     res, out = run(workflow_copy, tmp_path, root, CHECK, setting + "\n")
     assert res.returncode != 0 and "Traceback" not in out
     sentence = next(line for line in out.splitlines() if "Hydration check failed" in line)
-    assert str(zero) in sentence and key in sentence and "findings" in sentence
+    assert one_sentence(sentence) and str(zero) in sentence and key in sentence and "findings" in sentence
 
 
 @pytest.mark.parametrize("setting, key", [
@@ -180,12 +180,14 @@ def test_file_broken_after_the_check_stops_training_then_resumes(workflow_copy, 
     assert first.returncode != 0, out[-3000:]
     assert "Traceback" not in out
     sentence = next(line for line in out.splitlines() if "Training stopped" in line)
-    assert named in sentence and "resume" in sentence
+    assert one_sentence(sentence) and named in sentence and "resume" in sentence
+    point = resume_point(last, workflow_copy)
 
     again = snakemake(workflow_copy, *target)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     s = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
-    assert s["resumed_from"] is not None and s["completed"] and s["attempts"] == 2
+    assert s["resumed_from"] == point and s["completed"] and s["attempts"] == 2
+    assert resume_line(point) in (workflow_copy / "logs/train/local.log").read_text()
     assert s["left_out_after_check"] == [named] and s["train_images"] == 1437
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, REPO, copy_workflow, snakemake
+from conftest import BIN, REPO, copy_workflow, one_sentence, snakemake
 
 
 def tree_digest(root: Path) -> dict:
@@ -135,7 +135,7 @@ def assert_one_sentence_error(res, needles):
     notices = ("is extended by additional config", "workflow specific profile")
     lines = [line for line in out.splitlines()
              if line.strip() and not any(n in line for n in notices)]
-    assert len(lines) == 1, out
+    assert len(lines) == 1 and one_sentence(lines[0]), out
     for needle in needles:
         assert needle in lines[0], lines[0]
 

@@ -11,7 +11,7 @@ import os
 import psutil
 import pytest
 
-from conftest import REPO
+from conftest import REPO, one_sentence
 from imgclf import hardware, memory, settings, slurm
 
 A100_UUID = "GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77"
@@ -87,7 +87,8 @@ def test_auto_entry_resolves_in_gb(nvidia_smi, monkeypatch):
         (2, "NVIDIA A10G", 24.14)
     assert local["ram_gb"] == math.floor(psutil.virtual_memory().total / 1e7) / 100
     # the g5 entry's nominal 24 GB is at most what the A10G here has: it measures there
-    assert memory.matching_gpu(settings.cluster(settings.load(), "g5")) is not None
+    assert memory.matching_gpu(settings.cluster(settings.load(), "g5")) == \
+        {"name": "NVIDIA A10G", "memory_gb": 24.14}
 
 
 def test_slurm_memory_request_converts_gb_to_slurms_mib():
@@ -168,10 +169,6 @@ def cuda_device(monkeypatch):
 
 def entry(name):
     return settings.cluster(settings.load(), name)
-
-
-def one_sentence(text: str) -> bool:
-    return text.endswith(".") and text.count(". ") == 0 and "\n" not in text
 
 
 def test_a_gpu_the_build_has_no_kernels_for_is_refused_in_one_sentence(cuda_device):

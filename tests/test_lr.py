@@ -8,11 +8,13 @@ import json
 import math
 import os
 import re
+import statistics
 from datetime import datetime
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from conftest import REPO, snakemake
@@ -62,7 +64,8 @@ def test_non_finite_losses_are_dropped_first():
     keep = np.isfinite(with_bad)
     expected = lr_find.suggest_steepest(LRS[keep], loss[keep], 10, 5)
     assert lr_find.suggest_steepest(LRS, with_bad, 10, 5) == expected
-    assert lr_find.suggest_valley(LRS, with_bad, 10, 5) is not None
+    assert lr_find.suggest_valley(LRS, with_bad, 10, 5) == \
+        lr_find.suggest_valley(LRS[keep], loss[keep], 10, 5)
     assert lr_find.suggest_steepest(LRS[:20], [np.nan] * 20, 10, 5) is None
 
 
@@ -243,7 +246,14 @@ def test_lr_stage_runs_for_real_and_is_reproducible(workflow_copy):
     assert all(r["batch_size"] == memory["per_device_batch"] for r in runs)
     assert runs[0]["history"]["loss"] != runs[1]["history"]["loss"]  # seeds differ
     summary = json.loads((workflow_copy / "results/lr/local_summary.json").read_text())
-    assert summary["valid_runs"] + sum(r["excluded"] for r in summary["runs"]) == 3
+    # each run read from its file with the stage's settings; the chosen LR their geometric
+    # median over the runs not excluded
+    cfg = {**settings.load()["lr_finder"], **yaml.safe_load(FAST)["lr_finder"]}
+    assert summary["runs"] == [lr_find.read_curve(r, cfg) for r in runs]
+    valid = [r["suggestions"][summary["method"]] for r in summary["runs"] if not r["excluded"]]
+    assert summary["valid_runs"] == len(valid) >= 2
+    assert summary["chosen_lr"] == pytest.approx(math.exp(statistics.median(
+        math.log(v) for v in valid)))
     assert summary["global_batch"] == memory["global_batch"]
     assert summary["scaling"] == "linear"  # auto, for the demo recipe's SGD
     assert summary["training_lr"] == pytest.approx(

@@ -11,7 +11,7 @@ import time
 import pandas as pd
 import psutil
 
-from conftest import SNAKEMAKE, snakemake
+from conftest import SNAKEMAKE, resume_line, resume_point, snakemake
 
 RESUME = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [tensor], seconds_per_config: 0.3,
@@ -54,15 +54,16 @@ def test_killed_training_resumes_from_last_checkpoint(workflow_copy):
     assert "Error in rule train_model" in output
     assert last.exists()  # the checkpoint folder survives the failed job
     assert not (workflow_copy / "results/train/local/train_summary.json").exists()
+    point = resume_point(last, workflow_copy)
 
     again = snakemake(workflow_copy, *target)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     summary = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
     assert summary["attempts"] == 2
-    assert summary["resumed_from"] is not None
+    assert summary["resumed_from"] == point
     assert summary["epochs_run"] == 5 and summary["completed"]
     log = (workflow_copy / "logs/train/local.log").read_text()
-    assert "resum" in log.lower()
+    assert resume_line(point) in log
     metrics = pd.read_csv(workflow_copy / "results/train/local/metrics.csv")
     epochs = metrics.dropna(subset=["val/acc1"])["epoch"].tolist()
     assert epochs == [0, 1, 2, 3, 4]  # every epoch validated exactly once

@@ -393,7 +393,10 @@ def test_weight_ema_tracks_validates_and_resumes(tmp_path, warmup_epochs):
     assert same(sd, expected[7])
     cur = {k: v for k, v in ck["current_model_state"].items() if v.is_floating_point()}
     assert same(cur, live[7])
-    assert ck["callbacks"]  # the callback's own state (latest update step) travels along
+    # the callback's own state travels along: the step of its latest update (the 4th of
+    # epoch 0's 8 steps, one every 2 steps from the first) and the decay it averages with
+    assert ck["callbacks"]["WeightEMA"] == {"latest_update_step": 7, "effective_decay": 0.5,
+                                            "ema_steps": 2}
     # after fit the model holds the average
     assert same(floats(module), expected[-1])
 
@@ -402,5 +405,6 @@ def test_weight_ema_tracks_validates_and_resumes(tmp_path, warmup_epochs):
     resumed, _ = _ema_run(tmp_path / "b", epochs=2, warmup_epochs=warmup_epochs,
                           ckpt_path=tmp_path / "a" / "e0.ckpt", record=record_b)
     assert same(record_b["epoch_start"][0], live[7])  # live weights restored, not the average
+    assert len(record_b["live"]) == 8  # epoch 1 only
     assert all(same(x, y) for x, y in zip(record_b["live"], live[8:]))
     assert same(floats(resumed), expected[-1])

@@ -25,7 +25,7 @@ from snakemake.iocontainers import ResourceList
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-from conftest import SNAKEMAKE, copy_workflow
+from conftest import SNAKEMAKE, copy_workflow, resume_line, resume_point
 from imgclf import hardware, settings, slurm
 
 P4X2 = {"name": "p4x2", "gpus_per_node": 8, "gpu_model": "A100", "gpu_memory_gb": 40,
@@ -351,7 +351,7 @@ def slurm_job_of(output: str, rule: str) -> str:
 
 def sacct(*jobs: str, steps: bool = False) -> list[dict]:
     """What slurmdbd recorded for these jobs (and their steps)."""
-    fields = ["JobID", "JobName", "State", "NodeList", "NNodes", "NTasks", "Account"]
+    fields = ["JobID", "JobName", "State", "NodeList", "NNodes", "NTasks", "Account", "Elapsed"]
     res = subprocess.run(["sacct", "-P", "-n", *([] if steps else ["-X"]), "-j", ",".join(jobs),
                           "-o", ",".join(fields)], capture_output=True, text=True, check=True)
     return [dict(zip(fields, line.split("|"))) for line in res.stdout.splitlines()]
@@ -521,12 +521,14 @@ def test_killed_rank_then_cancelled_job_then_resume_loses_nothing(slurm_demo):
     assert f"SLURM-job '{job}' failed, SLURM status is: 'CANCELLED'" in out, out[-4000:]
     assert {r["State"] for r in sacct(job)} == {"CANCELLED by 0"}, sacct(job)
 
+    point = resume_point(work / TRAIN_DIR / "checkpoints/last.ckpt", work)
     rc, out = run_slurm(work)
     assert rc == 0, out[-6000:]
     assert {"train_model", "evaluate"} <= rules_submitted(out)
     assert not (set(UPSTREAM) | {"summarize_lr"}) & rules_submitted(out)
     s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
-    assert s["resumed_from"] is not None and s["attempts"] == 3, s["resume_note"]
+    assert s["resumed_from"] == point and s["attempts"] == 3, s["resume_note"]
+    assert resume_line(point) in (work / "logs/train/ci2x1.log").read_text()
     assert s["completed"] and s["epochs_run"] == s["epochs_planned"]
     epochs = [int(float(row.split(",")[0])) for row in
               (work / TRAIN_DIR / "metrics.csv").read_text().splitlines()[1:]]
@@ -578,17 +580,15 @@ def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
 
 def test_a_node_down_while_training_is_queued_fails_at_the_deadline(slurm_demo):
     """Training needs both nodes; with one down its job waits, and Slurm removes it at the
-    deadline of the profile's slurm_extra (here: it must start within 15 s), which the
+    deadline of the profile's slurm_extra (here: it must start within 75 s), which the
     workflow reports in one sentence instead of waiting forever."""
     work, _ = slurm_demo
     subprocess.run(["scontrol", "update", f"nodename={NODES[1]}", "state=down",
                     "reason=test of a node that is down"], check=True)
     try:
-        t0 = time.monotonic()
         rc, out = run_slurm(work, "--forcerun", "train_model", "--set-resources",
                             "train_model:runtime=1",
                             "train_model:slurm_extra='--deadline=now+75seconds'", timeout=300)
-        waited = time.monotonic() - t0
     finally:
         subprocess.run(["scontrol", "update", f"nodename={NODES[1]}", "state=resume"],
                        check=True)
@@ -596,4 +596,5 @@ def test_a_node_down_while_training_is_queued_fails_at_the_deadline(slurm_demo):
     job = slurm_job_of(out, "train_model")
     assert f"SLURM-job '{job}' failed, SLURM status is: 'DEADLINE'" in out, out[-4000:]
     assert f"Slurm job {job} could not start before its deadline and was removed" in out
-    assert waited < 240, waited
+    # what slurmdbd recorded: removed at its deadline without ever having run
+    assert [(r["State"], r["Elapsed"]) for r in sacct(job)] == [("DEADLINE", "00:00:00")]

@@ -1,5 +1,6 @@
 """Training: the LR schedule, the LightningModule with every recipe, a real 2-process DDP run
-through the `imgclf` entry point, and resume after SIGKILL."""
+through the `imgclf` entry point, and the resume decision (a training killed by SIGKILL and
+resumed through Snakemake: test_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -186,7 +187,10 @@ def test_read_error_is_not_taken_for_a_missing_checkpoint(tmp_path, monkeypatch)
 def test_ranks_take_the_decision_of_the_process_that_started_them(tmp_path, monkeypatch):
     """The deciding process hands its decision to the ranks Lightning starts from it; a process
     that did not start them (or a later run in the same process) decides anew."""
-    monkeypatch.delenv(resume.DECISION_ENV, raising=False)
+    # set, then deleted: the decision agreed_resume writes is undone after the test (a delenv
+    # of an unset variable records nothing to restore)
+    monkeypatch.setenv(resume.DECISION_ENV, "")
+    monkeypatch.delenv(resume.DECISION_ENV)
     first = resume.agreed_resume(tmp_path, "abc", "gloo")
     assert first["path"] is None and first["decided_by"] == os.getpid()
     torch.save({"epoch": 1, "global_step": 4, "imgclf": {"train_digest": "abc"}},
@@ -220,15 +224,18 @@ def test_digest_covers_data_census_and_ignores_bookkeeping_keys(demo_root, tmp_p
 
 
 def test_merge_metrics_drops_rows_redone_after_resume(tmp_path):
+    """Attempt 0 was killed during epoch 2 (its row for it is a partial one); attempt 1 resumed
+    at epoch 2 and redid it: the merged table keeps attempt 1's row for epoch 2."""
     root = tmp_path / "csv"
-    for v, start, epochs in ((0, 0, [0, 1, 2]), (1, 2, [2, 3])):
+    for v, start, acc in ((0, 0, {0: 0.5, 1: 0.6, 2: 0.1}), (1, 2, {2: 0.7, 3: 0.8})):
         d = root / f"version_{v}"
         d.mkdir(parents=True)
         (d / "attempt.json").write_text(json.dumps({"start_epoch": start}))
-        rows = "\n".join(f"{e},{e * 10},{0.5 + e / 10}" for e in epochs)
+        rows = "\n".join(f"{e},{e * 10},{a}" for e, a in acc.items())
         (d / "metrics.csv").write_text("epoch,step,val/acc1\n" + rows + "\n")
     df = after.merge_metrics(root)
     assert df["epoch"].tolist() == [0, 1, 2, 3]
+    assert df["val/acc1"].tolist() == [0.5, 0.6, 0.7, 0.8]
 
 
 def test_gpu_cluster_without_cuda_is_one_sentence(demo_root, tmp_path, capsys):
@@ -284,6 +291,15 @@ def test_one_batch_smoke_each_recipe(recipe, demo_root, tmp_path):
 
 # --- real DDP through the entry point --------------------------------------------------------
 
+def train_accuracy_columns(out) -> list[str]:
+    """The training-accuracy columns of a run's metrics.csv that hold a value."""
+    import pandas as pd
+
+    metrics = pd.read_csv(out / "metrics.csv")
+    return sorted(c for c in metrics.columns
+                  if c.startswith("train/acc") and metrics[c].notna().any())
+
+
 def test_ddp_two_gloo_processes_through_cli(demo_root, tmp_path):
     """`imgclf train` on the CPU cluster: Lightning re-executes the entry point for rank 1; the
     run records world size 2 from two distinct processes, rank 0's log is kept whole, and the
@@ -298,6 +314,9 @@ def test_ddp_two_gloo_processes_through_cli(demo_root, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads((out / "train_summary.json").read_text())
     assert s["world_size"] == 2 and s["strategy"] == "ddp (gloo)"
+    assert s["train_sampler"] == "DistributedSampler"  # Lightning's, for an unmixed recipe
+    assert train_accuracy_columns(out) == ["train/acc1", "train/acc1_epoch", "train/acc5",
+                                           "train/acc5_epoch"]
     pids = {r["pid"] for r in s["ranks"]}
     assert len(pids) == 2 and sorted(r["rank"] for r in s["ranks"]) == [0, 1]
     assert s["completed"] and s["epochs_run"] == 2 and s["attempts"] == 1
@@ -397,6 +416,8 @@ def test_published_recipe_trains_with_its_weight_average_and_sampler(demo_root, 
     s = json.loads((out / "train_summary.json").read_text())
     assert s["completed"] and s["world_size"] == 2
     assert s["recipe"]["repeated_aug"] == 4 and s["recipe"]["ema_decay"] == 0.99998
+    assert s["train_sampler"] == "RepeatedAugSampler"  # the recipe's, not Lightning's
+    assert train_accuracy_columns(out) == []  # mixed targets: no training accuracy logged
     assert s["schedule"]["warmup_steps"] == 2  # 5 warm-up epochs capped at half of 2 x 2 steps
     ckpt = torch.load(out / "best.ckpt", map_location="cpu", weights_only=True)
     assert "current_model_state" in ckpt  # the live weights, beside the average

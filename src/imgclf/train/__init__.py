@@ -409,6 +409,8 @@ def run_shape(job: Job, trainer) -> dict:
         "main_address": (f"{trainer.strategy.cluster_environment.main_address}:"
                          f"{trainer.strategy.cluster_environment.main_port}"),
         "ranks": next(cb for cb in trainer.callbacks if isinstance(cb, RunRecorder)).ranks,
+        # the sampler training drew its batches through (Lightning's, or the recipe's own)
+        "train_sampler": type(getattr(trainer.train_dataloader, "sampler", None)).__name__,
         "sync_batchnorm": bool(t["sync_batchnorm"]) and job.gpu and trainer.world_size > 1,
         "precision": str(job.params["model"]["precision"]),
         "channels_last": bool(job.params["model"]["channels_last"]),
