@@ -113,7 +113,8 @@ def range_tests(work: Path, config: dict, plan: Plan, n: int) -> list[dict]:
         path = work / "bench" / "range" / f"run{i}.json"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(lr_find.find(source, config["model"], plan, cfg, i,
+            hw = settings.device_entry(config, "local")
+            path.write_text(json.dumps(lr_find.find(source, config["model"], hw, plan, cfg, i,
                                                     threads=2)))
         runs.append(json.loads(path.read_text()))
     return runs

@@ -40,9 +40,10 @@ LIMITS = ("B_simple equals the paper's B_noise, which predicts the critical batc
           "that tracks the critical batch roughly on its tasks); the model assumes the LR is "
           "retuned for each batch; and the noise scale grows as the loss falls, often 10x over a "
           "training, so an estimate from the first steps undershoots the batch that pays later "
-          "in training. On the demo digits it overstated what a larger batch buys towards a validation loss by more than an "
-          "order of magnitude (docs/benchmarks.md, \"Gradient noise scale\"): check it on "
-          "your data before buying devices by it.")
+          "in training. On the demo digits and a Fashion-MNIST subset it overstated what a "
+          "larger batch buys towards a validation loss by more than an order of magnitude "
+          "(docs/benchmarks.md, \"Gradient noise scale\"): check it on your data before "
+          "buying devices by it.")
 
 
 # --- the estimator ---------------------------------------------------------------------------
