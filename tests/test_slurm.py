@@ -11,10 +11,12 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import math
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -74,6 +76,19 @@ def test_p4_on_two_nodes_asks_for_one_task_per_gpu():
         assert flag in line, line
     # --gpus would count GPUs per job, --ntasks-per-gpu conflicts with --ntasks-per-node
     assert "--gpus" not in line and "--ntasks-per-gpu" not in line, line
+
+
+def test_a_rank_ignores_the_requeue_signal_once_it_exits():
+    """A training rank under srun notes Slurm's SIGUSR1 while it runs; at exit it ignores it,
+    because Python restores a handled signal's default action (ending the rank, failing the job
+    that had just completed) as it shuts down."""
+    code = ("import atexit, signal; from imgclf import slurm; slurm.catch_requeue_signal(); "
+            "print(signal.getsignal(signal.SIGUSR1).__name__); atexit._run_exitfuncs(); "
+            "print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"},
+                         timeout=60)
+    assert res.stdout.split() == ["note", "True"], res.stdout + res.stderr
 
 
 def test_training_asks_for_its_forecast_time_and_requeues_at_the_partition_limit(tmp_path):
@@ -537,12 +552,24 @@ def test_killed_rank_then_cancelled_job_then_resume_loses_nothing(slurm_demo):
 
 
 # A training longer than the partition's time limit of 2 minutes, less start-up and the signal's
-# lead (60 s before the limit; Slurm looks every 30 s): 6 epochs of the demo over the 2 nodes,
-# about 3 starts here (each trains about 20 batches between start-up and the signal).
+# lead (60 s before the limit; Slurm looks every 30 s, so it comes 60 to 90 s after the start):
+# whole demo epochs over the 2 nodes, as many as take about REQUEUE_TRAIN_SECONDS at the pace
+# the module's earlier training through Slurm kept (these machines differ up to 6x in speed).
+# The first start trains for 45 to 75 s before the signal, a resumed one for 25 to 55 s (its
+# start-up loads the checkpoint), so that is 2 or 3 starts on any of them.
+REQUEUE_TRAIN_SECONDS = 90
 REQUEUE_YAML = """\
-clusters: {ci2x1: {slurm_time_limit_minutes: 2}}
-train: {epochs: 6, limit_train_batches: null, limit_val_batches: 2}
+clusters: {{ci2x1: {{slurm_time_limit_minutes: 2}}}}
+train: {{epochs: {epochs}, limit_train_batches: null, limit_val_batches: 2}}
 """
+
+
+def requeue_epochs(work: Path) -> int:
+    """Whole demo epochs for about REQUEUE_TRAIN_SECONDS of training (at least 6), from the
+    images/s of the last training in `work`."""
+    s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
+    epoch_seconds = s["train_images"] / s["images_per_s"]
+    return max(6, math.ceil(REQUEUE_TRAIN_SECONDS / epoch_seconds))
 
 
 def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
@@ -551,7 +578,8 @@ def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
     until it completes with every epoch's metrics: one successful job for Snakemake, several
     runs of it in Slurm's accounting."""
     work, _ = slurm_demo
-    (work / "requeue.yaml").write_text(REQUEUE_YAML)
+    epochs = requeue_epochs(work)
+    (work / "requeue.yaml").write_text(REQUEUE_YAML.format(epochs=epochs))
     rc, out = run_slurm(work, "train", configfiles=("requeue.yaml",), timeout=1500)
     assert rc == 0, out[-6000:]
     job = slurm_job_of(out, "train_model")  # submitted once
@@ -563,7 +591,7 @@ def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
     assert states.count("REQUEUED") >= 1 and states[-1] == "COMPLETED", runs
     assert {r.split("|")[2] for r in runs} == {"2"}, runs  # minutes: the partition's limit
     s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
-    assert s["completed"] and s["epochs_run"] == s["epochs_planned"] == 6
+    assert s["completed"] and s["epochs_run"] == s["epochs_planned"] == epochs
     assert s["attempts"] == states.count("REQUEUED") + 1, (s["attempts"], runs)
     # the Slurm log, appended to by each start (Snakemake starts the rule's log afresh)
     log = (work / f".snakemake/slurm_logs/rule_train_model/ci2x1/{job}.log").read_text()
@@ -575,7 +603,7 @@ def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
     header = metrics[0].split(",")
     val = [row.split(",") for row in metrics[1:]]
     val = {int(float(r[header.index("epoch")])) for r in val if r[header.index("val/acc1")]}
-    assert val == set(range(6)), sorted(val)
+    assert val == set(range(epochs)), sorted(val)
 
 
 def test_a_node_down_while_training_is_queued_fails_at_the_deadline(slurm_demo):

@@ -10,6 +10,7 @@ SLURM_NODELIST; the port from the job id): no MASTER_ADDR or NODE_RANK is set by
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import re
@@ -226,13 +227,16 @@ def catch_requeue_signal() -> None:
     """In a training rank that srun started: note Slurm's SIGUSR1 (its default action would end
     the rank) for the training to act on at its next check. Installed first thing, so that a
     signal during start-up is caught too; Lightning then installs no handler of its own, and a
-    loader worker forked later only notes it in its own memory."""
+    loader worker forked later only notes it in its own memory. At exit it is ignored: Python
+    restores the default action of the signals it handles as it shuts down, so a signal just
+    after a training completed would otherwise end the rank and fail the job."""
     def note(signum, frame):
         global _requeue_asked
         _requeue_asked = True
 
     if "SLURM_PROCID" in os.environ and "SLURM_JOB_ID" in os.environ:
         signal.signal(signal.SIGUSR1, note)
+        atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
 
 
 def requeue_asked() -> bool:
