@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -78,6 +79,52 @@ def through_memory(tmp_path_factory, demo_root) -> Path:
     return work
 
 
+# A complete run, cheaper: a one-point loader grid (which also pins the timed loader choice, one
+# of the settings that make two runs agree), 2 LR runs of 40 steps, a noise scale from 6 steps, 2 epochs.
+REDUCED = {
+    "loader": {"decoders": ["pil"], "workers": [0], "measure_baseline": False,
+               "seconds_per_config": 0.3, "windows": 2, "warmup_batches": 1},
+    "lr_finder": {"runs": 2, "num_iter": 40},
+    "noise_scale": {"steps": 6, "accumulate": 2},
+    "train": {"epochs": 2},
+}
+RUN_TIMEOUT = 900
+
+
+def merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def reduced_copy(dest: Path) -> Path:
+    """A workflow copy whose config/config.yaml carries REDUCED (so every call uses it)."""
+    work = copy_workflow(dest)
+    cfg = work / "config" / "config.yaml"
+    cfg.write_text(yaml.safe_dump(merge(yaml.safe_load(cfg.read_text()), REDUCED),
+                                  sort_keys=False))
+    return work
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """The demo workflow after one complete run from scratch (demo data included), with
+    REDUCED. Tests that only read or plan share it; a test that changes it puts it back."""
+    work = reduced_copy(tmp_path_factory.mktemp("repro") / "wf")
+    res = snakemake(work, timeout=RUN_TIMEOUT)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    return work
+
+
+@pytest.fixture
+def demo_run_copy(tmp_path, demo_run) -> Path:
+    """A copy of the complete run of its own for a test that changes it: every stage before
+    the one the test is about already ran (a copied run folder keeps its state: files, their
+    times and Snakemake's records)."""
+    return Path(shutil.copytree(demo_run, tmp_path / "run", symlinks=True))
+
+
 def one_sentence(text: str) -> bool:
     """What a user's error must be: one sentence, on one line, ended by a full stop (a ". "
     inside would start a second one)."""
@@ -101,16 +148,34 @@ def resume_line(point: dict) -> str:
             f"{point['global_step']}): its training digest matches")
 
 
+# The fixtures that run the workflow once for many tests: the tests that use one run on the
+# same pytest-xdist worker (--dist loadgroup), which builds it once. The first one a test uses
+# names its group (through_memory before the module fixtures built on it).
+SHARED_RUNS = ("demo_run",  # above: the complete run
+               "through_memory",  # above: up to the memory solve
+               "work",  # test_commands.py: the documents' commands, in their order
+               "slurm_demo")  # test_slurm.py: the demo through profiles/slurm
+RUNS_SNAKEMAKE = {"demo_root", "workflow_copy", "through_memory", "demo_run", "demo_run_copy",
+                  "slurm_demo"}
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark `pipeline` every test that runs Snakemake end to end through a fixture (its own or
     one it depends on: item.fixturenames is the closure), so that `-m "not pipeline"` is the
-    fast subset that .ci/min-versions runs against the declared minimum versions."""
-    runs_snakemake = {"demo_root", "workflow_copy", "through_memory",  # conftest.py
-                      "demo_run",  # test_reproducibility.py
-                      "slurm_demo"}  # test_slurm.py (the demo through profiles/slurm)
+    subset that .ci/min-versions runs against the declared minimum versions; mark `slow` those
+    and the tests marked slow by hand, so that `-m "not slow"` is the edit loop's subset. Put
+    the tests of one shared run in one xdist group, and the GPU tests in one (one GPU)."""
     for item in items:
-        if runs_snakemake.intersection(getattr(item, "fixturenames", ())):
+        names = getattr(item, "fixturenames", ())
+        if RUNS_SNAKEMAKE.intersection(names):
             item.add_marker(pytest.mark.pipeline)
+        if item.get_closest_marker("pipeline"):
+            item.add_marker(pytest.mark.slow)
+        group = next((f for f in SHARED_RUNS if f in names), None)
+        if item.get_closest_marker("gpu"):
+            group = "gpu"
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture

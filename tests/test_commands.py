@@ -54,7 +54,7 @@ HOW = {
     "tests/slurm/up.sh && ./run.sh test tests/test_slurm.py; tests/slurm/down.sh":
         "it starts a Slurm cluster as root (.ci/run does, after the suite)",
     "./run.sh test tests/test_lr.py -k aggregation": "it runs part of this suite",
-    './run.sh test -m "not pipeline"': "it runs part of this suite",
+    './run.sh test -m "not slow"': "it runs part of this suite",
     ".ci/min-versions": "it installs the declared minimum versions into .venv-min",
     ".venv/bin/python -m pytest -m gpu": "it runs the GPU tests, skipped without a GPU",
 }
@@ -69,11 +69,12 @@ LEAVES = {
     **{c: [f"results/memory/{e}.json" for e in ("g5", "p3", "p4")] for c in HOW
        if c.startswith("for c in")},
 }
-# A cheaper loader grid, LR range test and noise scale in the copy's config: the commands stay as typed.
+# A cheaper loader grid, fewer and shorter LR range tests (a command that names --runs runs that
+# many) and noise scale in the copy's config: the commands stay as typed.
 REDUCED = {"loader": {"decoders": ["pil"], "workers": [0], "prefetch_factors": [2],
                       "batch_size": 16, "seconds_per_config": 0.3, "windows": 2,
                       "warmup_batches": 1, "measure_baseline": False},
-           "lr_finder": {"num_iter": 30, "skip_start": 3, "skip_end": 2},
+           "lr_finder": {"runs": 2, "num_iter": 30, "skip_start": 3, "skip_end": 2},
            "noise_scale": {"steps": 4, "accumulate": 2}}
 # The hardware entries whose plans (results/memory/) a real run writes or reads, with the LR
 # summary it writes for one of them: the plan's global batch is its entry's devices times the

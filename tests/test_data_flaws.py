@@ -25,10 +25,12 @@ from imgclf import data, hydration, index, recipes, settings
 from imgclf.hydration import integrity
 
 CHECK = "results/hydration/local.json"
-# a short but complete run: every training image is read in the one epoch
+# a short but complete run: every training image is read in the one epoch; one short LR
+# range test (the forecast before training reads one)
 QUICK = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [pil], seconds_per_config: 0.3,
          windows: 2, measure_baseline: false}
+lr_finder: {runs: 1, num_iter: 30, skip_start: 3, skip_end: 2}
 train: {epochs: 1, lr_source: recipe, limit_val_batches: 2}
 noise_scale: {steps: 4, accumulate: 2}
 """
@@ -157,23 +159,26 @@ def training_processes(root_pid: int) -> list:
             if "train" in p.cmdline() and any(c.endswith("imgclf") for c in p.cmdline())]
 
 
-def test_file_broken_after_the_check_stops_training_then_resumes(workflow_copy, tmp_path):
+def test_file_broken_after_the_check_stops_training_then_resumes(demo_run_copy):
     """A training image truncated while training runs (after the first checkpoint): the epoch
     that reads it stops with one sentence naming it; the next run leaves it out and resumes
-    from last.ckpt."""
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(QUICK.replace("epochs: 1", "epochs: 4"))
-    target = ["results/train/local/best.ckpt", "--configfile", str(cfg)]
-    last = workflow_copy / "results/train/local/checkpoints/last.ckpt"
-    first = subprocess.Popen([SNAKEMAKE, "--cores", "2", *target], cwd=workflow_copy,
+    from last.ckpt. (In a copy of the complete demo run, its training removed: the check and
+    the stages before training ran there already.)"""
+    work = demo_run_copy
+    shutil.rmtree(work / "results/train/local")
+    (work / "c.yaml").write_text(
+        "train: {epochs: 4, lr_source: recipe, limit_val_batches: 2}\n")
+    target = ["results/train/local/best.ckpt", "--configfile", "c.yaml"]
+    last = work / "results/train/local/checkpoints/last.ckpt"
+    first = subprocess.Popen([SNAKEMAKE, "--cores", "2", *target], cwd=work,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while not last.exists():
         assert first.poll() is None, first.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint within 300 s"
         time.sleep(0.1)
-    victim = last_of(workflow_copy / "results/demo/digits/train/6")
-    named = str(victim.relative_to(workflow_copy))  # the demo's index holds relative paths
+    victim = last_of(work / "results/demo/digits/train/6")
+    named = str(victim.relative_to(work))  # the demo's index holds relative paths
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 3])  # read again by each of the next epochs
     out = first.communicate(timeout=300)[0]
@@ -181,13 +186,13 @@ def test_file_broken_after_the_check_stops_training_then_resumes(workflow_copy, 
     assert "Traceback" not in out
     sentence = next(line for line in out.splitlines() if "Training stopped" in line)
     assert one_sentence(sentence) and named in sentence and "resume" in sentence
-    point = resume_point(last, workflow_copy)
+    point = resume_point(last, work)
 
-    again = snakemake(workflow_copy, *target)
+    again = snakemake(work, *target)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
-    s = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
+    s = json.loads((work / "results/train/local/train_summary.json").read_text())
     assert s["resumed_from"] == point and s["completed"] and s["attempts"] == 2
-    assert resume_line(point) in (workflow_copy / "logs/train/local.log").read_text()
+    assert resume_line(point) in (work / "logs/train/local.log").read_text()
     assert s["left_out_after_check"] == [named] and s["train_images"] == 1437
 
 
@@ -362,6 +367,7 @@ def test_pixel_limit_is_one_threshold_and_never_a_warning(tmp_path):
         assert integrity.check_image(str(far_over), None) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoder", data.DECODERS)
 def test_decoders_apply_the_checks_limit_in_a_spawned_worker(decoder, tmp_path):
     """The limit travels in the index: a DataLoader worker started afresh (spawn, as on macOS)
@@ -421,8 +427,7 @@ def test_a_data_set_with_every_flaw_goes_through_the_default_target(workflow_cop
     root = flawed_copy(demo_root, tmp_path / "as_it_arrived")
     listed, trained = every_flaw(root)
     (workflow_copy / "data.yaml").write_text(
-        f"dataset: {{root: {root}}}\nhydration: {{max_bad_fraction: 0.01}}\n"
-        "lr_finder: {runs: 1, num_iter: 30, skip_start: 3, skip_end: 2}\n" + QUICK)
+        f"dataset: {{root: {root}}}\nhydration: {{max_bad_fraction: 0.01}}\n" + QUICK)
     res = snakemake(workflow_copy, "--configfile", "data.yaml", timeout=1500)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]

@@ -17,6 +17,7 @@ CPU_CLUSTER = {"name": "local", "gpus_per_node": 0, "nodes": 1, "accelerator": "
                "devices_per_node": 2, "cpus_per_node": 2, "ram_gb": 24, "gpu_memory_gb": 0}
 
 
+@pytest.mark.slow
 def test_topk_on_a_fixed_example():
     """Five images of three true classes among six: top-1 3/5 (micro, not the 1/3 a per-class
     average would give), top-5 4/5, and the cross-entropy by hand."""

@@ -126,6 +126,7 @@ def test_the_scaling_efficiency_says_where_it_comes_from():
     assert across["value"] == pytest.approx(0.9 * forecast.DEFAULT_SCALING_EFFICIENCY)
 
 
+@pytest.mark.slow
 def test_cpu_ranks_are_measured_alone_and_side_by_side():
     """Real gloo ranks in forked processes, a tiny model: two side by side on this machine's
     cores can only be slower per step than one alone."""

@@ -111,6 +111,7 @@ BAD_CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
 def test_bad_config_stops_with_one_sentence(case, tmp_path):
     work = copy_workflow(tmp_path / "wf")
@@ -120,6 +121,7 @@ def test_bad_config_stops_with_one_sentence(case, tmp_path):
     assert_one_sentence_error(res, needles)
 
 
+@pytest.mark.slow
 def test_unknown_cluster_stops_with_one_sentence(tmp_path):
     work = copy_workflow(tmp_path / "wf")
     res = snakemake(work, "-n", "--config", "cluster=g6")
@@ -140,6 +142,7 @@ def assert_one_sentence_error(res, needles):
         assert needle in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_every_profile_resolves_with_the_workflow_profile(tmp_path):
     """profiles/default is loaded with every invocation and overrides a --profile's values, so
     it holds only what is right under every profile (local cores); each profile then plans as
@@ -157,6 +160,7 @@ def test_every_profile_resolves_with_the_workflow_profile(tmp_path):
             in res.stderr
 
 
+@pytest.mark.slow
 def test_gpu_jobs_ask_for_the_gpus_they_use(tmp_path):
     """On a g5 node every GPU job asks Snakemake's `gpu` pool for what it uses: one GPU per
     LR-finder run and for evaluation (which would otherwise evaluate on the CPU without a word
@@ -177,6 +181,7 @@ def test_gpu_jobs_ask_for_the_gpus_they_use(tmp_path):
     assert pools == {"local": None, "g5": ["gpu=4"], "p3": ["gpu=8"], "p4": ["gpu=8"]}
 
 
+@pytest.mark.slow
 def test_slurm_jobs_keep_their_gpu_requests_from_a_login_node_without_gpus(tmp_path):
     """Submitting through Slurm from a machine without GPUs (this one), with the profile and
     without its pool: every LR-finder run still asks for its GPU (a pool of this machine's 0
@@ -199,6 +204,7 @@ STAGE_COMMANDS = ("demo-data", "check-hydration", "benchmark-loader", "solve-mem
                   "lr-summary", "train", "evaluate", "provenance")
 
 
+@pytest.mark.slow
 def test_cli_has_help_for_every_stage():
     """Every sub-command the parser has is listed in `imgclf --help` and answers `--help` with
     its own usage line; the list is the workflow's stages, nothing missing or extra."""
@@ -217,6 +223,7 @@ def test_cli_has_help_for_every_stage():
         assert h.returncode == 0 and h.stdout.startswith(f"usage: imgclf {command}"), command
 
 
+@pytest.mark.slow
 def test_cli_reports_user_error_without_traceback():
     res = subprocess.run([str(BIN / "imgclf"), "check-hydration", "--cluster", "g6"],
                          capture_output=True, text=True)

@@ -48,6 +48,7 @@ def test_every_gpu_without_cuda_visible_devices_in_gb(nvidia_smi):
                                       {"name": "NVIDIA A100-SXM4-40GB", "memory_gb": 42.94}]
 
 
+@pytest.mark.slow
 def test_cuda_visible_devices_as_cuda_reads_it(nvidia_smi, monkeypatch):
     a10g, a100 = ("NVIDIA A10G", 24.14), ("NVIDIA A100-SXM4-40GB", 42.94)
     assert names("2,0", monkeypatch) == [a100, a10g]
@@ -117,6 +118,7 @@ def run_sh_choice(nvidia_smi, gpus, driver, env=None):
     return res.returncode, res.stdout.strip(), res.stderr.strip()
 
 
+@pytest.mark.slow
 def test_run_sh_installs_a_build_that_fits_the_nodes_gpus_and_driver(nvidia_smi):
     cu126 = "https://download.pytorch.org/whl/cu126"
     # an A10G on a current driver: the default build (CUDA 13, sm_75 and newer)
@@ -259,6 +261,7 @@ time.sleep(float(sys.argv[2]))
 """
 
 
+@pytest.mark.slow
 def test_jobs_on_one_machine_claim_distinct_gpus_and_wait_for_a_free_one(nvidia_smi, tmp_path):
     """Three jobs on a machine of 3 GPUs: a training job claims 2, an LR-finder run the third,
     and a second run waits until the first ends (its locks go with its process), then gets the

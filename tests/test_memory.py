@@ -99,6 +99,7 @@ def test_activation_count_of_a_linear_stack_matches_the_hand_count():
     assert fp16["bytes_by_dtype"] == {"float16": prof["bytes_by_dtype"]["bfloat16"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["resnet18", "resnet50", "resnet101"])
 @pytest.mark.parametrize("precision", ["32", "16-mixed"])
 def test_estimate_matches_the_fake_tensor_count(arch, precision):
@@ -117,6 +118,7 @@ def test_estimate_matches_the_fake_tensor_count(arch, precision):
         assert abs(sum(parts.values()) / fake - 1) < 0.05, (batch, parts, fake)
 
 
+@pytest.mark.slow
 def test_resnet50_amp_batch_grows_with_gpu_memory_p3_g5_p4(monkeypatch):
     from imgclf.memory.solve import problem
 

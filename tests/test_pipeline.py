@@ -1,9 +1,12 @@
 """The training stage through Snakemake: a killed training job resumes on the next run, a
-finished one is not retrained, and another training starts fresh with the old one set aside."""
+finished one is not retrained, and another training starts fresh with the old one set aside.
+Each test trains in a copy of the complete demo run (conftest.py's demo_run), its training
+removed: the stages before it ran there already."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -14,10 +17,7 @@ import psutil
 from conftest import SNAKEMAKE, resume_line, resume_point, snakemake
 
 RESUME = """
-loader: {workers: [0], prefetch_factors: [2], decoders: [tensor], seconds_per_config: 0.3,
-         windows: 2, measure_baseline: false}
 train: {epochs: 5, lr_source: recipe}
-noise_scale: {steps: 4, accumulate: 2}
 """
 
 
@@ -34,11 +34,13 @@ def training_processes(root: psutil.Process) -> list[psutil.Process]:
     return found
 
 
-def test_killed_training_resumes_from_last_checkpoint(workflow_copy):
-    (workflow_copy / "resume.yaml").write_text(RESUME)
+def test_killed_training_resumes_from_last_checkpoint(demo_run_copy):
+    work = demo_run_copy
+    shutil.rmtree(work / "results/train/local")
+    (work / "resume.yaml").write_text(RESUME)
     target = ["results/train/local/best.ckpt", "--configfile", "resume.yaml"]
-    last = workflow_copy / "results/train/local/checkpoints/last.ckpt"
-    first = subprocess.Popen([SNAKEMAKE, "--cores", "2", *target], cwd=workflow_copy,
+    last = work / "results/train/local/checkpoints/last.ckpt"
+    first = subprocess.Popen([SNAKEMAKE, "--cores", "2", *target], cwd=work,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while not last.exists():
@@ -53,29 +55,29 @@ def test_killed_training_resumes_from_last_checkpoint(workflow_copy):
     assert first.returncode != 0, output
     assert "Error in rule train_model" in output
     assert last.exists()  # the checkpoint folder survives the failed job
-    assert not (workflow_copy / "results/train/local/train_summary.json").exists()
-    point = resume_point(last, workflow_copy)
+    assert not (work / "results/train/local/train_summary.json").exists()
+    point = resume_point(last, work)
 
-    again = snakemake(workflow_copy, *target)
+    again = snakemake(work, *target)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    summary = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
+    summary = json.loads((work / "results/train/local/train_summary.json").read_text())
     assert summary["attempts"] == 2
     assert summary["resumed_from"] == point
     assert summary["epochs_run"] == 5 and summary["completed"]
-    log = (workflow_copy / "logs/train/local.log").read_text()
+    log = (work / "logs/train/local.log").read_text()
     assert resume_line(point) in log
-    metrics = pd.read_csv(workflow_copy / "results/train/local/metrics.csv")
+    metrics = pd.read_csv(work / "results/train/local/metrics.csv")
     epochs = metrics.dropna(subset=["val/acc1"])["epoch"].tolist()
     assert epochs == [0, 1, 2, 3, 4]  # every epoch validated exactly once
     assert [e["epoch"] for e in summary["images_per_s_by_epoch"]] == [0, 1, 2, 3, 4]
 
     # Another training (a new seed): its digest differs, so it starts fresh, says why, and
     # keeps the previous checkpoints in superseded/ instead of resuming from them.
-    (workflow_copy / "resume.yaml").write_text(RESUME.replace("lr_source: recipe",
+    (work / "resume.yaml").write_text(RESUME.replace("lr_source: recipe",
                                                               "lr_source: recipe, seed: 1"))
-    other = snakemake(workflow_copy, *target)
+    other = snakemake(work, *target)
     assert other.returncode == 0, other.stdout[-3000:] + other.stderr[-3000:]
-    fresh = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
+    fresh = json.loads((work / "results/train/local/train_summary.json").read_text())
     assert fresh["resumed_from"] is None and "another training" in fresh["resume_note"]
     assert fresh["attempts"] == 1 and fresh["seed"] == 1
-    assert (workflow_copy / "results/train/local/superseded/checkpoints/last.ckpt").is_file()
+    assert (work / "results/train/local/superseded/checkpoints/last.ckpt").is_file()

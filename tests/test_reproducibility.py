@@ -1,8 +1,8 @@
 """Reproducibility: provenance in every artifact, exact change propagation, the
 hydration hand-off, two complete CPU runs that agree, the HTML report, lint and format.
 
-One complete demo run at a reduced cost (REDUCED) is shared by the tests that read it. A test
-that changes its state puts it back, or works on a clone of it."""
+One complete demo run at a reduced cost (conftest.py's demo_run, with REDUCED) is shared by the
+tests that read it. A test that changes its state puts it back, or works on a clone of it."""
 
 from __future__ import annotations
 
@@ -19,47 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, REPO, SNAKEMAKE, copy_workflow, snakemake
-
-# A complete run, cheaper: a one-point loader grid (which also pins the timed loader choice, one
-# of the settings that make two runs agree), 2 LR runs of 40 steps, a noise scale from 6 steps, 2 epochs.
-REDUCED = {
-    "loader": {"decoders": ["pil"], "workers": [0], "measure_baseline": False,
-               "seconds_per_config": 0.3, "windows": 2, "warmup_batches": 1},
-    "lr_finder": {"runs": 2, "num_iter": 40},
-    "noise_scale": {"steps": 6, "accumulate": 2},
-    "train": {"epochs": 2},
-}
-RUN_TIMEOUT = 900
-
-
-def merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for k, v in update.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def reduced_copy(dest: Path) -> Path:
-    """A workflow copy whose config/config.yaml carries REDUCED (so every call uses it)."""
-    work = copy_workflow(dest)
-    cfg = work / "config" / "config.yaml"
-    cfg.write_text(yaml.safe_dump(merge(yaml.safe_load(cfg.read_text()), REDUCED),
-                                  sort_keys=False))
-    return work
+from conftest import (BIN, REDUCED, REPO, RUN_TIMEOUT, SNAKEMAKE, copy_workflow,
+                      reduced_copy, snakemake)
 
 
 def out(res) -> str:
     return res.stdout + res.stderr
-
-
-@pytest.fixture(scope="session")
-def demo_run(tmp_path_factory) -> Path:
-    """The demo workflow after one complete run from scratch (demo data included)."""
-    work = reduced_copy(tmp_path_factory.mktemp("repro") / "wf")
-    res = snakemake(work, timeout=RUN_TIMEOUT)
-    assert res.returncode == 0, out(res)[-6000:]
-    return work
 
 
 # --- what Snakemake plans or runs ---------------------------------------------------------------
@@ -515,6 +480,7 @@ def test_the_noise_scale_before_training_and_during_it(demo_run):
 CONDA_REMARK = "Specify a conda environment or container for each rule."
 
 
+@pytest.mark.slow
 def test_snakemake_lint_has_only_the_documented_remark(tmp_path):
     """The one remark left is explained in the Snakefile: the software is the imgclf package
     in .venv, pinned by pyproject.toml, not a conda environment per rule."""

@@ -270,13 +270,15 @@ LOCAL = TARGETS | {"train_settings"}  # a local rule: it writes the training's s
 UPSTREAM = ("prepare_demo_data", "check_hydration", "benchmark_loader", "solve_memory", "lr_find")
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
 # The cluster as a hardware entry: its 2 nodes, one CPU rank on each (they share this machine's
-# cores, so 1 CPU per node keeps the rules' threads honest); a short demo training.
+# cores, so 1 CPU per node keeps the rules' threads honest); a one-point loader grid, 2 short LR
+# range tests and a short demo training.
 CLUSTER_YAML = """\
 clusters:
   ci2x1: {gpus_per_node: 0, gpu_model: auto, gpu_memory_gb: auto, nodes: 2, cpus_per_node: 1,
           ram_gb: 4, cpu_processes: 1}
-loader: {seconds_per_config: 0.45, windows: 3, warmup_batches: 1}
-lr_finder: {runs: 2}
+loader: {decoders: [pil], workers: [0], prefetch_factors: [2], measure_baseline: false,
+         seconds_per_config: 0.3, windows: 2, warmup_batches: 1}
+lr_finder: {runs: 2, num_iter: 30, skip_start: 3, skip_end: 2}
 noise_scale: {steps: 4, accumulate: 2}
 train: {epochs: 3, limit_train_batches: 6, limit_val_batches: 3}
 """

@@ -184,6 +184,7 @@ def test_read_error_is_not_taken_for_a_missing_checkpoint(tmp_path, monkeypatch)
         resume.find_resume(tmp_path, "abc")
 
 
+@pytest.mark.slow
 def test_ranks_take_the_decision_of_the_process_that_started_them(tmp_path, monkeypatch):
     """The deciding process hands its decision to the ranks Lightning starts from it; a process
     that did not start them (or a later run in the same process) decides anew."""
