@@ -148,13 +148,8 @@ def resume_line(point: dict) -> str:
             f"{point['global_step']}): its training digest matches")
 
 
-# The fixtures that run the workflow once for many tests: the tests that use one run on the
-# same pytest-xdist worker (--dist loadgroup), which builds it once. The first one a test uses
-# names its group (through_memory before the module fixtures built on it).
-SHARED_RUNS = ("demo_run",  # above: the complete run
-               "through_memory",  # above: up to the memory solve
-               "work",  # test_commands.py: the documents' commands, in their order
-               "slurm_demo")  # test_slurm.py: the demo through profiles/slurm
+# The fixtures that run Snakemake end to end (conftest.py's; test_slurm.py's demo through
+# profiles/slurm)
 RUNS_SNAKEMAKE = {"demo_root", "workflow_copy", "through_memory", "demo_run", "demo_run_copy",
                   "slurm_demo"}
 
@@ -163,19 +158,12 @@ def pytest_collection_modifyitems(config, items):
     """Mark `pipeline` every test that runs Snakemake end to end through a fixture (its own or
     one it depends on: item.fixturenames is the closure), so that `-m "not pipeline"` is the
     subset that .ci/min-versions runs against the declared minimum versions; mark `slow` those
-    and the tests marked slow by hand, so that `-m "not slow"` is the edit loop's subset. Put
-    the tests of one shared run in one xdist group, and the GPU tests in one (one GPU)."""
+    and the tests marked slow by hand, so that `-m "not slow"` is the edit loop's subset."""
     for item in items:
-        names = getattr(item, "fixturenames", ())
-        if RUNS_SNAKEMAKE.intersection(names):
+        if RUNS_SNAKEMAKE.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.pipeline)
         if item.get_closest_marker("pipeline"):
             item.add_marker(pytest.mark.slow)
-        group = next((f for f in SHARED_RUNS if f in names), None)
-        if item.get_closest_marker("gpu"):
-            group = "gpu"
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture

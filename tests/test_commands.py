@@ -69,11 +69,14 @@ LEAVES = {
     **{c: [f"results/memory/{e}.json" for e in ("g5", "p3", "p4")] for c in HOW
        if c.startswith("for c in")},
 }
-# A cheaper loader grid, fewer and shorter LR range tests (a command that names --runs runs that
-# many) and noise scale in the copy's config: the commands stay as typed.
+# A cheaper loader grid, per-device batches of at most 32 (the GPU entries' plans would otherwise
+# run the LR range tests on this CPU at their GPUs' batch), fewer and shorter LR range tests (a
+# command that names --runs runs that many) and noise scale in the copy's config: the commands
+# stay as typed.
 REDUCED = {"loader": {"decoders": ["pil"], "workers": [0], "prefetch_factors": [2],
                       "batch_size": 16, "seconds_per_config": 0.3, "windows": 2,
                       "warmup_batches": 1, "measure_baseline": False},
+           "memory": {"max_batch": 32},
            "lr_finder": {"runs": 2, "num_iter": 30, "skip_start": 3, "skip_end": 2},
            "noise_scale": {"steps": 4, "accumulate": 2}}
 # The hardware entries whose plans (results/memory/) a real run writes or reads, with the LR
