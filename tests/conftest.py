@@ -80,7 +80,8 @@ def through_memory(tmp_path_factory, demo_root) -> Path:
 
 
 # A complete run, cheaper: a one-point loader grid (which also pins the timed loader choice, one
-# of the settings that make two runs agree), 2 LR runs of 40 steps, a noise scale from 6 steps, 2 epochs.
+# of the settings that make two runs agree), 2 LR runs of 40 steps, a noise scale from 6 steps,
+# 2 epochs.
 REDUCED = {
     "loader": {"decoders": ["pil"], "workers": [0], "measure_baseline": False,
                "seconds_per_config": 0.3, "windows": 2, "warmup_batches": 1},
@@ -91,19 +92,14 @@ REDUCED = {
 RUN_TIMEOUT = 900
 
 
-def merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for k, v in update.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def reduced_copy(dest: Path) -> Path:
     """A workflow copy whose config/config.yaml carries REDUCED (so every call uses it)."""
+    from imgclf import settings
+
     work = copy_workflow(dest)
     cfg = work / "config" / "config.yaml"
-    cfg.write_text(yaml.safe_dump(merge(yaml.safe_load(cfg.read_text()), REDUCED),
-                                  sort_keys=False))
+    config = settings._merge(yaml.safe_load(cfg.read_text()), REDUCED)
+    cfg.write_text(yaml.safe_dump(config, sort_keys=False))
     return work
 
 
@@ -119,10 +115,12 @@ def demo_run(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def demo_run_copy(tmp_path, demo_run) -> Path:
-    """A copy of the complete run of its own for a test that changes it: every stage before
-    the one the test is about already ran (a copied run folder keeps its state: files, their
-    times and Snakemake's records)."""
-    return Path(shutil.copytree(demo_run, tmp_path / "run", symlinks=True))
+    """A copy of the complete run, its training removed, for a test that trains again: every
+    stage before training already ran (a copied run folder keeps its state: files, their times
+    and Snakemake's records)."""
+    work = Path(shutil.copytree(demo_run, tmp_path / "run", symlinks=True))
+    shutil.rmtree(work / "results/train/local")
+    return work
 
 
 def one_sentence(text: str) -> bool:

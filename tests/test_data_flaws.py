@@ -165,7 +165,6 @@ def test_file_broken_after_the_check_stops_training_then_resumes(demo_run_copy):
     from last.ckpt. (In a copy of the complete demo run, its training removed: the check and
     the stages before training ran there already.)"""
     work = demo_run_copy
-    shutil.rmtree(work / "results/train/local")
     (work / "c.yaml").write_text(
         "train: {epochs: 4, lr_source: recipe, limit_val_batches: 2}\n")
     target = ["results/train/local/best.ckpt", "--configfile", "c.yaml"]

@@ -6,7 +6,6 @@ removed: the stages before it ran there already."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import time
@@ -36,7 +35,6 @@ def training_processes(root: psutil.Process) -> list[psutil.Process]:
 
 def test_killed_training_resumes_from_last_checkpoint(demo_run_copy):
     work = demo_run_copy
-    shutil.rmtree(work / "results/train/local")
     (work / "resume.yaml").write_text(RESUME)
     target = ["results/train/local/best.ckpt", "--configfile", "resume.yaml"]
     last = work / "results/train/local/checkpoints/last.ckpt"
@@ -74,7 +72,7 @@ def test_killed_training_resumes_from_last_checkpoint(demo_run_copy):
     # Another training (a new seed): its digest differs, so it starts fresh, says why, and
     # keeps the previous checkpoints in superseded/ instead of resuming from them.
     (work / "resume.yaml").write_text(RESUME.replace("lr_source: recipe",
-                                                              "lr_source: recipe, seed: 1"))
+                                                     "lr_source: recipe, seed: 1"))
     other = snakemake(work, *target)
     assert other.returncode == 0, other.stdout[-3000:] + other.stderr[-3000:]
     fresh = json.loads((work / "results/train/local/train_summary.json").read_text())
