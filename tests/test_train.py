@@ -290,6 +290,21 @@ def test_one_batch_smoke_each_recipe(recipe, demo_root, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
 
 
+@pytest.mark.slow
+def test_training_loader_workers_are_spawned_not_forked(demo_root):
+    """A training rank runs threads of its own (its process group's, DDP's), and a fork of it
+    under Python 3.11 can hang in the child (CPython gh-112275): its loader workers start as new
+    interpreters, and a batch arrives from one."""
+    root = str(demo_root)
+    train_set, val_set = train.datasets({"train": root, "val": root}, "tensor", 16, "demo")
+    dm = train.ImageData(train_set, val_set, "demo", batch_size=4, num_workers=1,
+                         prefetch_factor=2, pin_memory=False, seed=0)
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        assert loader.multiprocessing_context.get_start_method() == "spawn"
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.shape == (4, 3, 16, 16) and labels.shape == (4,)
+
+
 # --- real DDP through the entry point --------------------------------------------------------
 
 def train_accuracy_columns(out) -> list[str]:

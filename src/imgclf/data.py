@@ -185,8 +185,16 @@ def val_dataset(source, decoder: str, resolution: int, recipe=None,
 
 def loader(dataset, batch_size: int, num_workers: int, prefetch_factor: int | None,
            shuffle: bool, seed: int = 0, pin_memory: bool = False, drop_last: bool = False,
-           persistent_workers: bool = False, sampler=None) -> DataLoader:
-    """A DataLoader whose shuffling order depends only on `seed`."""
+           persistent_workers: bool = False, sampler=None, spawn: bool = False) -> DataLoader:
+    """A DataLoader whose shuffling order depends only on `seed`.
+
+    `spawn`: workers start as fresh interpreters instead of forks of this process, for a
+    process that runs threads of its own, a training rank. Python before 3.12 can fork while
+    another thread holds the interpreter's thread-state lock, and the child then waits for it
+    forever in PyOS_AfterFork_Child (CPython gh-112275): a rank's worker hung that way while
+    its peer waited in an all-reduce. A spawned worker imports torch and this module first
+    (about 2 s per worker, once per run with persistent workers) and stays a child of the rank,
+    so it still exits when the rank is killed; a fork server's workers would outlive it."""
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(
         dataset, batch_size=batch_size, shuffle=shuffle if sampler is None else False,
@@ -194,6 +202,7 @@ def loader(dataset, batch_size: int, num_workers: int, prefetch_factor: int | No
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
         persistent_workers=persistent_workers and num_workers > 0,
         pin_memory=pin_memory, drop_last=drop_last, generator=generator,
+        multiprocessing_context="spawn" if spawn and num_workers > 0 else None,
     )
 
 

@@ -154,6 +154,7 @@ class ImageData(L.LightningDataModule):
         return data.loader(
             dataset, self.batch_size, self.num_workers, self.prefetch_factor, shuffle=train,
             seed=self.seed, pin_memory=self.pin_memory, persistent_workers=True, sampler=sampler,
+            spawn=True,
             # a ragged last batch of 1 would break BatchNorm; keep it when it is all there is
             drop_last=train and len(dataset) // world >= self.batch_size)
 
