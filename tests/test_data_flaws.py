@@ -166,7 +166,7 @@ def test_file_broken_after_the_check_stops_training_then_resumes(demo_run_copy):
     the stages before training ran there already.)"""
     work = demo_run_copy
     (work / "c.yaml").write_text(
-        "train: {epochs: 4, lr_source: recipe, limit_val_batches: 2}\n")
+        "train: {epochs: 3, lr_source: recipe, limit_val_batches: 2}\n")
     target = ["results/train/local/best.ckpt", "--configfile", "c.yaml"]
     last = work / "results/train/local/checkpoints/last.ckpt"
     first = subprocess.Popen([SNAKEMAKE, "--cores", "2", *target], cwd=work,

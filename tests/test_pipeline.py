@@ -16,7 +16,7 @@ import psutil
 from conftest import SNAKEMAKE, resume_line, resume_point, snakemake
 
 RESUME = """
-train: {epochs: 5, lr_source: recipe}
+train: {epochs: 3, lr_source: recipe}
 """
 
 
@@ -61,13 +61,13 @@ def test_killed_training_resumes_from_last_checkpoint(demo_run_copy):
     summary = json.loads((work / "results/train/local/train_summary.json").read_text())
     assert summary["attempts"] == 2
     assert summary["resumed_from"] == point
-    assert summary["epochs_run"] == 5 and summary["completed"]
+    assert summary["epochs_run"] == 3 and summary["completed"]
     log = (work / "logs/train/local.log").read_text()
     assert resume_line(point) in log
     metrics = pd.read_csv(work / "results/train/local/metrics.csv")
     epochs = metrics.dropna(subset=["val/acc1"])["epoch"].tolist()
-    assert epochs == [0, 1, 2, 3, 4]  # every epoch validated exactly once
-    assert [e["epoch"] for e in summary["images_per_s_by_epoch"]] == [0, 1, 2, 3, 4]
+    assert epochs == [0, 1, 2]  # every epoch validated exactly once
+    assert [e["epoch"] for e in summary["images_per_s_by_epoch"]] == [0, 1, 2]
 
     # Another training (a new seed): its digest differs, so it starts fresh, says why, and
     # keeps the previous checkpoints in superseded/ instead of resuming from them.
