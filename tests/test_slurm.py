@@ -266,7 +266,8 @@ def test_a_job_removed_at_its_deadline_is_explained(tmp_path):
 MARK = "# throw-away cluster of tests/slurm/up.sh"
 NODES = ("imgclf-n1", "imgclf-n2")
 TARGETS = {"all", "train"}  # rules without an action: Snakemake finishes them itself
-LOCAL = TARGETS | {"train_settings"}  # a local rule: it writes the training's settings file
+# local rules: the training's settings file, and the report's key tables (a second each)
+LOCAL = TARGETS | {"train_settings", "report_table"}
 UPSTREAM = ("prepare_demo_data", "check_hydration", "benchmark_loader", "solve_memory", "lr_find")
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
 # The cluster as a hardware entry: its 2 nodes, one CPU rank on each (they share this machine's

@@ -18,5 +18,7 @@ rule report_table:
         ),
     log:
         "logs/report/{cluster}_{table}.log",
+    # a JSON read and an HTML table written in a second: not worth a queued Slurm job
+    localrule: True
     script:
         "../scripts/report_table.py"
