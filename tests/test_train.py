@@ -291,18 +291,52 @@ def test_one_batch_smoke_each_recipe(recipe, demo_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_training_loader_workers_are_spawned_not_forked(demo_root):
+def test_training_loader_workers_start_from_a_fork_server(demo_root):
     """A training rank runs threads of its own (its process group's, DDP's), and a fork of it
-    under Python 3.11 can hang in the child (CPython gh-112275): its loader workers start as new
-    interpreters, and a batch arrives from one."""
+    under Python 3.11 can hang in the child (CPython gh-112275): its loader workers are forked
+    from a single-threaded fork server instead, and a batch arrives from one."""
     root = str(demo_root)
     train_set, val_set = train.datasets({"train": root, "val": root}, "tensor", 16, "demo")
     dm = train.ImageData(train_set, val_set, "demo", batch_size=4, num_workers=1,
                          prefetch_factor=2, pin_memory=False, seed=0)
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
-        assert loader.multiprocessing_context.get_start_method() == "spawn"
+        assert loader.multiprocessing_context.get_start_method() == "forkserver"
     images, labels = next(iter(dm.train_dataloader()))
     assert images.shape == (4, 3, 16, 16) and labels.shape == (4,)
+
+
+OWNER = """
+import sys, time
+from imgclf import data, recipes
+train_set = data.train_dataset(sys.argv[1], "tensor", 16, recipes.get("demo"))
+loader = data.loader(train_set, 4, 2, 2, shuffle=True, persistent_workers=True,
+                     forkserver_preload=())
+next(iter(loader))
+print("a batch arrived", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_fork_server_workers_end_when_their_rank_is_killed(demo_root):
+    """Fork-server workers are the server's children, not the rank's: when the rank is killed
+    (by the rank that failed, by Slurm), they and the server still end, within seconds."""
+    import psutil
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(demo_root)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline() == "a batch arrived\n"
+        server, = (p for p in psutil.Process(owner.pid).children()
+                   if "forkserver" in " ".join(p.cmdline()))
+        workers = server.children()
+        assert len(workers) == 2
+        owner.kill()
+        owner.wait()
+        gone, alive = psutil.wait_procs([*workers, server], timeout=30)
+        assert not alive, alive
+    finally:
+        owner.kill()
 
 
 # --- real DDP through the entry point --------------------------------------------------------
