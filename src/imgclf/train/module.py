@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from functools import partial
 
 import lightning.pytorch as L
+from lightning.fabric.utilities.seed import pl_worker_init_function
 import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
@@ -133,9 +133,6 @@ class ImageClassifier(L.LightningModule):
                                 "classes": list(self.hparams.classes)}
 
 
-SEED_MODULE = "lightning.fabric.utilities.seed"
-
-
 class ImageData(L.LightningDataModule):
     """The train/val data sets, built from the hydration check's file indexes, as loaders.
     Lightning adds the DistributedSampler, except for a recipe with repeated augmentation,
@@ -159,7 +156,8 @@ class ImageData(L.LightningDataModule):
         return data.loader(
             dataset, self.batch_size, self.num_workers, self.prefetch_factor, shuffle=train,
             seed=self.seed, pin_memory=self.pin_memory, persistent_workers=True, sampler=sampler,
-            worker_init_fn=self._seed_worker(), forkserver_preload=(SEED_MODULE,),
+            worker_init_fn=self._seed_worker(),
+            forkserver_preload=(pl_worker_init_function.__module__,),
             # a ragged last batch of 1 would break BatchNorm; keep it when it is all there is
             drop_last=train and len(dataset) // world >= self.batch_size)
 
@@ -167,7 +165,6 @@ class ImageData(L.LightningDataModule):
         """Lightning's per-worker seeding when seed_everything(workers=True) asked for it, which
         Lightning adds itself only to a loader that has no worker_init_fn (ours has one). Its
         module is imported by the fork server once, not by each worker."""
-        pl_worker_init_function = importlib.import_module(SEED_MODULE).pl_worker_init_function
         if not int(os.environ.get("PL_SEED_WORKERS", 0)):
             return None
         return partial(pl_worker_init_function,
