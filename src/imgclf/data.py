@@ -218,9 +218,9 @@ def forkserver_context(preload=()):
     loader worker hung that way while its peer waited in an all-reduce. A fork server is a
     single-threaded process that has imported this module and the decoders once; a worker
     forked from it starts in a fraction of a second and shares those pages as a worker forked
-    from the rank would (memory of its own, USS, on the demo: 17 MB, forked from the rank 15 MB,
-    spawned 371 MB, as a spawned worker imports torch again), though it gets the data set
-    pickled rather than shared."""
+    from the rank would (memory of its own, USS, on the demo: 19 MB, forked from the rank 15 MB,
+    spawned 372 MB, as a spawned worker imports torch again; benchmarks/worker_memory.py),
+    though it gets the data set pickled rather than shared."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
