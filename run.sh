@@ -2,6 +2,7 @@
 # Set up .venv (first use, or after pyproject.toml changed) and run the pipeline or the tests.
 #   ./run.sh demo [snakemake args...]   the whole workflow on the bundled demo data set
 #   ./run.sh test [pytest args...]      the test suite
+#   ./run.sh setup                      only set up .venv
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -39,5 +40,6 @@ shift || true
 case "$cmd" in
     demo) setup; exec .venv/bin/snakemake --cores all "$@" ;;
     test) setup; exec .venv/bin/python -m pytest "$@" ;;
-    *) echo "usage: ./run.sh demo|test [args...]" >&2; exit 2 ;;
+    setup) setup ;;
+    *) echo "usage: ./run.sh demo|test [args...] or ./run.sh setup" >&2; exit 2 ;;
 esac

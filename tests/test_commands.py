@@ -52,7 +52,7 @@ HOW = {
     "snakemake --profile profiles/slurm": DRY,
     "snakemake train --profile profiles/slurm --configfile p4x2.yaml --config cluster=p4x2": DRY,
     "tests/slurm/up.sh && ./run.sh test tests/test_slurm.py; tests/slurm/down.sh":
-        "it starts a Slurm cluster as root (.ci/run does, after the suite)",
+        "it starts a Slurm cluster as root (.ci/run does, beside the suite)",
     "./run.sh test tests/test_lr.py -k aggregation": "it runs part of this suite",
     './run.sh test -m "not slow"': "it runs part of this suite",
     ".ci/min-versions": "it installs the declared minimum versions into .venv-min",

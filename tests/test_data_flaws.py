@@ -152,13 +152,6 @@ def test_slow_reads_fail_where_their_limit_applies(setting, key, workflow_copy, 
     assert key in next(line for line in out.splitlines() if "Hydration check failed" in line)
 
 
-def training_processes(root_pid: int) -> list:
-    import psutil
-
-    return [p for p in psutil.Process(root_pid).children(recursive=True)
-            if "train" in p.cmdline() and any(c.endswith("imgclf") for c in p.cmdline())]
-
-
 def test_file_broken_after_the_check_stops_training_then_resumes(demo_run_copy):
     """A training image truncated while training runs (after the first checkpoint): the epoch
     that reads it stops with one sentence naming it; the next run leaves it out and resumes
