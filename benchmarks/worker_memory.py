@@ -17,8 +17,7 @@ import psutil
 import torch
 
 from imgclf import data, recipes
-
-SEED_MODULE = "lightning.fabric.utilities.seed"  # what training preloads besides the decoders
+from imgclf.train.module import WORKER_PRELOAD
 
 
 def measure(how: str, root: str) -> None:
@@ -26,7 +25,7 @@ def measure(how: str, root: str) -> None:
     dataset = data.train_dataset(root, "pil", 64, recipes.get("demo"))
     if how == "forkserver":
         loader = data.loader(dataset, 16, 2, 2, shuffle=True, persistent_workers=True,
-                             forkserver_preload=(SEED_MODULE,))
+                             forkserver_preload=WORKER_PRELOAD)
     else:
         loader = torch.utils.data.DataLoader(dataset, batch_size=16, num_workers=2,
                                              multiprocessing_context=how,

@@ -133,6 +133,11 @@ class ImageClassifier(L.LightningModule):
                                 "classes": list(self.hparams.classes)}
 
 
+# What a rank's fork server imports besides imgclf.data and the decoders: Lightning's worker
+# seeding, which each worker would otherwise import itself.
+WORKER_PRELOAD = (pl_worker_init_function.__module__,)
+
+
 class ImageData(L.LightningDataModule):
     """The train/val data sets, built from the hydration check's file indexes, as loaders.
     Lightning adds the DistributedSampler, except for a recipe with repeated augmentation,
@@ -157,7 +162,7 @@ class ImageData(L.LightningDataModule):
             dataset, self.batch_size, self.num_workers, self.prefetch_factor, shuffle=train,
             seed=self.seed, pin_memory=self.pin_memory, persistent_workers=True, sampler=sampler,
             worker_init_fn=self._seed_worker(),
-            forkserver_preload=(pl_worker_init_function.__module__,),
+            forkserver_preload=WORKER_PRELOAD,
             # a ragged last batch of 1 would break BatchNorm; keep it when it is all there is
             drop_last=train and len(dataset) // world >= self.batch_size)
 
