@@ -251,13 +251,18 @@ def test_local_uses_apple_mps_on_a_mac_and_nowhere_else(monkeypatch, tmp_path):
 
 # --- jobs that share a machine's GPUs claim their own ---------------------------------------
 
+# A job that claims GPUs (its "waiting" note on stderr), says which, and holds them until a line
+# arrives on its stdin; its locks go when it ends.
 CLAIM = """
-import json, sys, time
+import json, logging, sys, time
 from imgclf import devices
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 claimed = devices.claim_gpus(int(sys.argv[1]), "test job", poll_s=0.2)
 print(json.dumps({"claimed": [g["uuid"] for g in claimed], "waited": claimed[0]["waited_s"],
+                  "claimed_at": claimed[0]["claimed_at"],
                   "visible": __import__("os").environ["CUDA_VISIBLE_DEVICES"]}), flush=True)
-time.sleep(float(sys.argv[2]))
+sys.stdin.readline()
+print(json.dumps({"ending_at": round(time.time(), 3)}), flush=True)
 """
 
 
@@ -272,25 +277,42 @@ def test_jobs_on_one_machine_claim_distinct_gpus_and_wait_for_a_free_one(nvidia_
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
 
-    def job(count, hold):
-        return subprocess.Popen([sys.executable, "-c", CLAIM, str(count), str(hold)], env=env,
-                                stdout=subprocess.PIPE, text=True)
+    def job(count):
+        return subprocess.Popen([sys.executable, "-c", CLAIM, str(count)], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
     def claimed(proc):
         return json.loads(proc.stdout.readline())
 
-    training = job(2, 6)
-    train = claimed(training)
-    first = job(1, 1.5)
-    run1 = claimed(first)
-    second = job(1, 0)
-    run2 = claimed(second)
-    for proc in (training, first, second):
+    def end(proc):
+        proc.stdin.write("\n")
+        proc.stdin.close()
+        ending = claimed(proc)["ending_at"]
         assert proc.wait(timeout=30) == 0
+        return ending
+
+    training = job(2)
+    train = claimed(training)
+    first = job(1)
+    run1 = claimed(first)
+    second = job(1)
+    notes = []  # its log up to its first note on waiting or claiming
+    while not notes or not ("test job: waiting" in notes[-1] or "claimed" in notes[-1]):
+        notes.append(second.stderr.readline())
+        assert notes[-1], notes  # it ended
+    assert "test job: waiting for 1 free GPU(s)" in notes[-1], notes  # none free: it waits
+    run1_ending = end(first)
+    run2 = claimed(second)
+    end(second)
+    end(training)
     uuids = [g["uuid"] for g in GPUS]
     assert train["claimed"] == uuids[:2] and train["visible"] == ",".join(uuids[:2])
     assert run1["claimed"] == [uuids[2]] and run1["visible"] == uuids[2]
-    assert run2["claimed"] == [uuids[2]] and run2["waited"] >= 1.0  # after run 1 ended
+    # run 2 waited, then got the GPU run 1 freed, once run 1 was ending (events each process
+    # records: how long run 2 waited depends only on how soon it started)
+    assert run2["claimed"] == [uuids[2]] and run2["visible"] == uuids[2] and run2["waited"] > 0
+    assert run2["claimed_at"] >= run1_ending
     assert train["waited"] == 0 and run1["waited"] == 0
 
 
@@ -318,10 +340,10 @@ def test_a_gpu_is_free_when_its_job_ends_though_the_job_forked(nvidia_smi, tmp_p
     job = subprocess.run([sys.executable, "-c", CLAIM_AND_FORK, "20"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert job.stdout == "claimed\n", job.stderr
-    nxt = subprocess.run([sys.executable, "-c", CLAIM, "3", "0"], env=env, capture_output=True,
-                         text=True, timeout=15)
+    nxt = subprocess.run([sys.executable, "-c", CLAIM, "3"], env=env, input="",  # ends at once
+                         capture_output=True, text=True, timeout=15)
     assert nxt.returncode == 0, nxt.stderr
-    assert json.loads(nxt.stdout)["waited"] == 0
+    assert json.loads(nxt.stdout.splitlines()[0])["waited"] == 0
 
 
 def test_a_job_needing_more_gpus_than_the_machine_shows_is_one_sentence(nvidia_smi):
