@@ -161,6 +161,22 @@ def test_every_profile_resolves_with_the_workflow_profile(tmp_path):
 
 
 @pytest.mark.slow
+def test_planning_imports_neither_torch_nor_matplotlib(tmp_path):
+    """Every Snakemake command (each dry run, and each job's own Snakemake under Slurm) imports
+    the modules the Snakefile and its params use: the heavy libraries stay in the jobs that use
+    them, so planning the whole DAG pays no second for them."""
+    work = copy_workflow(tmp_path / "wf")
+    res = subprocess.run([str(BIN / "snakemake"), "--cores", "1", "-n", "results/eval/local.json"],
+                         cwd=work, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
+    assert res.returncode == 0, res.stderr[-4000:]
+    imported = {line.rsplit("|", 1)[1].strip().split(".")[0]
+                for line in res.stderr.splitlines() if line.startswith("import time:")}
+    assert {"snakemake", "imgclf"} <= imported
+    assert not imported & {"torch", "torchvision", "lightning", "matplotlib"}, sorted(imported)
+
+
+@pytest.mark.slow
 def test_gpu_jobs_ask_for_the_gpus_they_use(tmp_path):
     """On a g5 node every GPU job asks Snakemake's `gpu` pool for what it uses: one GPU per
     LR-finder run and for evaluation (which would otherwise evaluate on the CPU without a word

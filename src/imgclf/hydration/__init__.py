@@ -26,7 +26,7 @@ import logging
 import time
 from pathlib import Path
 
-from imgclf import index, plots
+from imgclf import index
 from imgclf.index import escape
 from imgclf.errors import UserError
 from imgclf.hydration import census as census_
@@ -221,6 +221,9 @@ def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out, out_v
         write_json(findings, report)
         raise UserError(failure_sentence(report, params, findings))
     findings.unlink(missing_ok=True)
+    # matplotlib only here: Snakemake imports this module to plan every run (settings.census_key)
+    from imgclf import plots
+
     plots.hydration(report, out_png)
     write_excluded(out_excluded, cen)
     write_indexes(cen, out_index, params["max_image_pixels"])
