@@ -3,6 +3,7 @@ which tests run Snakemake for real."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -40,13 +41,34 @@ def snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | None 
     )
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `build(folder)` fills, built once per test run however many pytest-xdist
+    workers ask for it, then copied into the asking worker's own temporary folder (its tests may
+    change it). The workers' temporary folders share a parent: the first worker to ask builds
+    there under a lock, the others wait for it. A copy keeps the run's state (files, their times
+    and Snakemake's records), so a finished run stays finished."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    built = shared / "built" / name
+    built.parent.mkdir(exist_ok=True)
+    with open(shared / "built" / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (built.parent / f"{name}.done").exists():
+            shutil.rmtree(built, ignore_errors=True)  # a build that failed in another worker
+            build(built)
+            (built.parent / f"{name}.done").touch()
+    return Path(shutil.copytree(built, tmp_path_factory.mktemp(name) / "wf", symlinks=True))
+
+
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory) -> Path:
-    """The demo ImageFolder, built once per session by the real prepare_demo_data rule."""
-    work = copy_workflow(tmp_path_factory.mktemp("demo_build"))
-    res = snakemake(work, "results/demo/digits")
-    assert res.returncode == 0, res.stderr
-    return work / "results" / "demo" / "digits"
+    """The demo ImageFolder, built once per test run by the real prepare_demo_data rule."""
+    def build(work: Path):
+        copy_workflow(work)
+        res = snakemake(work, "results/demo/digits")
+        assert res.returncode == 0, res.stderr
+
+    return built_once(tmp_path_factory, "demo_root", build) / "results" / "demo" / "digits"
 
 
 @pytest.fixture
@@ -70,13 +92,15 @@ loader:
 def through_memory(tmp_path_factory, demo_root) -> Path:
     """A workflow copy in which `snakemake results/memory/local.json` ran for real on the demo
     data (hydration check, loader benchmark with a short time budget, memory solve)."""
-    work = copy_workflow(tmp_path_factory.mktemp("through_memory"))
-    shutil.copytree(demo_root, work / "results" / "demo" / "digits")
-    (work / "fast_loader.yaml").write_text(FAST_LOADER_YAML)
-    res = snakemake(work, "results/memory/local.json", "--configfile", "fast_loader.yaml")
-    assert res.returncode == 0, res.stdout + res.stderr
-    (work / "snakemake_output.txt").write_text(res.stdout + res.stderr)
-    return work
+    def build(work: Path):
+        copy_workflow(work)
+        shutil.copytree(demo_root, work / "results" / "demo" / "digits")
+        (work / "fast_loader.yaml").write_text(FAST_LOADER_YAML)
+        res = snakemake(work, "results/memory/local.json", "--configfile", "fast_loader.yaml")
+        assert res.returncode == 0, res.stdout + res.stderr
+        (work / "snakemake_output.txt").write_text(res.stdout + res.stderr)
+
+    return built_once(tmp_path_factory, "through_memory", build)
 
 
 # A complete run, cheaper: a one-point loader grid (which also pins the timed loader choice, one
@@ -107,10 +131,12 @@ def reduced_copy(dest: Path) -> Path:
 def demo_run(tmp_path_factory) -> Path:
     """The demo workflow after one complete run from scratch (demo data included), with
     REDUCED. Tests that only read or plan share it; a test that changes it puts it back."""
-    work = reduced_copy(tmp_path_factory.mktemp("repro") / "wf")
-    res = snakemake(work, timeout=RUN_TIMEOUT)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
-    return work
+    def build(work: Path):
+        reduced_copy(work)
+        res = snakemake(work, timeout=RUN_TIMEOUT)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+
+    return built_once(tmp_path_factory, "demo_run", build)
 
 
 @pytest.fixture
@@ -152,11 +178,27 @@ RUNS_SNAKEMAKE = {"demo_root", "workflow_copy", "through_memory", "demo_run", "d
                   "slurm_demo"}
 
 
+# The test files that take longest, longest first (docs/benchmarks.md, "Test suite"). run.sh's
+# two pytest-xdist workers take whole files in collection order (--no-loadscope-reorder), so the
+# long files start early and the short ones even out the end; test_reproducibility.py first
+# builds demo_run while the other worker runs files that do not need it.
+LONGEST_FIRST = ("test_reproducibility.py", "test_lr.py", "test_commands.py",
+                 "test_data_flaws.py", "test_lr_validation.py", "test_pipeline.py",
+                 "test_memory.py", "test_train.py")
+
+
+def file_rank(item) -> int:
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark `pipeline` every test that runs Snakemake end to end through a fixture (its own or
+    """Order the files longest first (LONGEST_FIRST; a file's own order is kept). Mark
+    `pipeline` every test that runs Snakemake end to end through a fixture (its own or
     one it depends on: item.fixturenames is the closure), so that `-m "not pipeline"` is the
     subset that .ci/min-versions runs against the declared minimum versions; mark `slow` those
     and the tests marked slow by hand, so that `-m "not slow"` is the edit loop's subset."""
+    items.sort(key=file_rank)
     for item in items:
         if RUNS_SNAKEMAKE.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.pipeline)
