@@ -40,8 +40,9 @@ shift || true
 case "$cmd" in
     demo) setup; exec .venv/bin/snakemake --cores all "$@" ;;
     # two pytest-xdist workers, each test file's tests on one of them (a file's shared runs are
-    # built once); a later -n replaces the 2 (-n 0: one process)
-    test) setup; exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@" ;;
+    # built once), the files in tests/conftest.py's order; a later -n replaces the 2 (-n 0: one
+    # process)
+    test) setup; exec .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@" ;;
     setup) setup ;;
     *) echo "usage: ./run.sh demo|test [args...] or ./run.sh setup" >&2; exit 2 ;;
 esac
