@@ -170,18 +170,20 @@ def write_indexes(cen: census_.Census, paths: dict, max_image_pixels: int | None
                     max_image_pixels=max_image_pixels)
 
 
-def verdict_handoff(report: dict, index_paths: dict, excluded) -> dict:
+def verdict_handoff(report: dict, root: str, index_paths: dict, excluded) -> dict:
     """What the stages after the check depend on: the verdict and a digest of what they may
     read (the file indexes: every usable file and its size) and what they must not (the
     excluded list). Throughput and timings stay in the full report: they differ on every run
     and must not make the loader benchmark, the LR runs and training run again. A file whose
     content changes but not its size is not a census change (hashing the data set is exactly
-    the full read this check avoids)."""
+    the full read this check avoids). The root is the one configured, as the indexes record it
+    (the full report has it resolved): a workflow folder moved with a data set inside it (the
+    demo's) hands off the same bytes."""
     splits = report["census"]["splits"]
     digests = [digest_file(index_paths[s]) for s in SPLITS] + [digest_file(excluded)]
     return {
         "cluster": report["cluster"],
-        "root": report["root"],
+        "root": root,
         "verdict": report["verdict"],
         "census_digest": digest_obj(digests),
         "files": {s: splits[s]["files"] for s in SPLITS},
@@ -229,5 +231,6 @@ def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out, out_v
     write_indexes(cen, out_index, params["max_image_pixels"])
     written = write_artifact(out, report, config_slice={"params": params, "root": str(root),
                                                          "min_read_mb_s": min_read_mb_s})
-    write_handoff(out_verdict, verdict_handoff(report, out_index, out_excluded), full_report=out)
+    handoff = verdict_handoff(report, str(root), out_index, out_excluded)
+    write_handoff(out_verdict, handoff, full_report=out)
     return written
