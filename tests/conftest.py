@@ -49,14 +49,15 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     and Snakemake's records), so a finished run stays finished."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    built = shared / "built" / name
-    built.parent.mkdir(exist_ok=True)
-    with open(shared / "built" / f"{name}.lock", "w") as lock:
+    folder = shared / "built"
+    folder.mkdir(exist_ok=True)
+    built, done = folder / name, folder / f"{name}.done"
+    with open(folder / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (built.parent / f"{name}.done").exists():
+        if not done.exists():
             shutil.rmtree(built, ignore_errors=True)  # a build that failed in another worker
             build(built)
-            (built.parent / f"{name}.done").touch()
+            done.touch()
     return Path(shutil.copytree(built, tmp_path_factory.mktemp(name) / "wf", symlinks=True))
 
 
