@@ -17,7 +17,7 @@ import torch
 import yaml
 from PIL import Image
 
-from conftest import REPO, snakemake
+from conftest import REPO, SMALL_MODEL, snakemake
 from imgclf import lr_find, settings
 from imgclf.errors import UserError
 from imgclf.plan import Plan
@@ -232,7 +232,7 @@ FAST = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [tensor], seconds_per_config: 0.3,
          windows: 2, measure_baseline: false}
 lr_finder: {num_iter: 30, skip_start: 3, skip_end: 2}
-"""
+""" + SMALL_MODEL
 
 
 def test_lr_stage_runs_for_real_and_is_reproducible(workflow_copy):
@@ -281,7 +281,7 @@ def test_cli_lr_find_batch_override_and_summary(through_memory, tmp_path):
     from conftest import BIN
 
     cfg = tmp_path / "short.yaml"
-    cfg.write_text("lr_finder: {num_iter: 20, skip_start: 2, skip_end: 2}\n")
+    cfg.write_text("lr_finder: {num_iter: 20, skip_start: 2, skip_end: 2}\n" + SMALL_MODEL)
     out = tmp_path / "lr" / "local"
     common = ["--cluster", "local", "--configfile", str(cfg), "--out-dir", str(out)]
     res = subprocess.run([str(BIN / "imgclf"), "lr-find", "--runs", "2", "--batch-size", "16",

@@ -13,7 +13,7 @@ import shutil
 import pytest
 from PIL import Image
 
-from conftest import FAST_LOADER_YAML, one_sentence, snakemake
+from conftest import FAST_YAML, one_sentence, snakemake
 from imgclf import lr_validation, recipes, settings, train
 from imgclf.errors import UserError
 from imgclf.plan import Plan
@@ -277,7 +277,7 @@ def test_lr_source_validation_takes_the_grids_best(tmp_path):
 # grid's best, one epoch of four batches. A grid of two always has its best at an edge, so the
 # edge step always adds a run: 0.001x below it (x1000 diverges or trails x1, as expected) or
 # 1e6x above it. Either way it is never 4, the multiple the propagation cases add.
-BASE_YAML = FAST_LOADER_YAML + """\
+BASE_YAML = FAST_YAML + """\
 lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
 noise_scale: {steps: 4, accumulate: 2}
 validate_lr: {multiples: [1, 1000], steps: 3, extend_steps: 1}
