@@ -20,20 +20,21 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import SNAKEMAKE, one_sentence, resume_line, resume_point, snakemake
+from conftest import (SMALL_MODEL, SNAKEMAKE, copy_workflow, one_sentence, resume_line,
+                      resume_point, snakemake)
 from imgclf import data, hydration, index, recipes, settings
 from imgclf.hydration import integrity
 
 CHECK = "results/hydration/local.json"
 # a short but complete run: every training image is read in the one epoch; one short LR
-# range test (the forecast before training reads one)
+# range test (the forecast before training reads one); the small model
 QUICK = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [pil], seconds_per_config: 0.3,
          windows: 2, measure_baseline: false}
 lr_finder: {runs: 1, num_iter: 30, skip_start: 3, skip_end: 2}
 train: {epochs: 1, lr_source: recipe, limit_val_batches: 2}
 noise_scale: {steps: 4, accumulate: 2}
-"""
+""" + SMALL_MODEL
 
 
 def flawed_copy(demo_root: Path, dest: Path) -> Path:
@@ -74,33 +75,6 @@ def file_flaws(root: Path) -> dict[str, Path]:
     notes.write_text("labelled by the intern\n")
     flaws["not an image"] = notes
     return flaws
-
-
-def test_bad_files_are_excluded_named_and_never_opened(workflow_copy, demo_root, tmp_path):
-    """A truncated and a corrupt JPEG, a zero-byte file, an unreadable file and a text file:
-    the check passes, lists each with its reason, and the pipeline trains a full epoch (every
-    training image read) without opening any of them."""
-    root = flawed_copy(demo_root, tmp_path / "flawed")
-    flaws = file_flaws(root)
-    # 4 unusable of 1,799 images: 0.22 %, over the default limit of 0.1 % meant for ImageNet
-    res, out = run(workflow_copy, tmp_path, root, "results/train/local/best.ckpt",
-                   QUICK + "hydration: {max_bad_fraction: 0.01}\n")
-    assert res.returncode == 0, out[-4000:]
-    assert "Traceback" not in out
-    excluded = dict(line.split("\t", 1) for line in
-                    (workflow_copy / "results/hydration/local.excluded.txt").read_text()
-                    .splitlines()[1:])
-    for kind, path in flaws.items():
-        assert str(path) in excluded, (kind, path)
-        assert kind.split()[0] in excluded[str(path)], (kind, excluded[str(path)])
-    report = json.loads((workflow_copy / CHECK).read_text())
-    assert report["verdict"] == "pass" and report["excluded"] == 4
-    assert report["bad_files"]["count"] == 4 and report["not_images"]["count"] == 1
-    assert report["census"]["splits"]["train"]["files"] == 1438 - 2
-    index = (workflow_copy / "results/hydration/local.train.tsv").read_text()
-    assert all(p.name not in index for p in flaws.values())
-    summary = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
-    assert summary["train_images"] == 1436 and summary["completed"]
 
 
 @pytest.mark.parametrize("flaw", ["empty class folder", "class missing from val"])
@@ -383,10 +357,12 @@ def test_decoders_apply_the_checks_limit_in_a_spawned_worker(decoder, tmp_path):
     assert reason.startswith("TooLarge: too large: 40 x 40") and "max_image_pixels" in reason
 
 
-def every_flaw(root: Path) -> tuple[dict[str, str], list[str]]:
-    """All of the above in one data set: ({path: what its reason says}, [paths trained on])
-    for every odd file and folder, images inside ignored folders among the listed ones."""
-    listed = {str(p): kind.split()[0] for kind, p in file_flaws(root).items()}
+def every_flaw(root: Path) -> tuple[dict[str, Path], dict[str, str], list[str]]:
+    """All of the above in one data set: (file_flaws, {path: what its reason says}, [paths
+    trained on]) for every odd file and folder, images inside ignored folders among the listed
+    ones."""
+    flaws = file_flaws(root)
+    listed = {str(p): kind.split()[0] for kind, p in flaws.items()}
     listed |= {p: "ignored" for p in mac_copy(root)}
     for folder, name in (("train/2/.ipynb_checkpoints", "0_copy-checkpoint.jpg"),
                          ("val/1/.cache", "0_copy.jpg"), ("train/.Trash-1000", "0.jpg")):
@@ -408,21 +384,56 @@ def every_flaw(root: Path) -> tuple[dict[str, str], list[str]]:
         img.save(root / "train" / "9" / "png_named.JPEG", "PNG")
     trained += [str(large), str(root / "train" / "9" / "cmyk.jpg"),
                 str(root / "train" / "9" / "png_named.JPEG")]
-    return listed, trained
+    return flaws, listed, trained
 
 
-def test_a_data_set_with_every_flaw_goes_through_the_default_target(workflow_copy, demo_root,
-                                                                   tmp_path):
+@pytest.fixture(scope="module")
+def every_flaw_run(tmp_path_factory, demo_root) -> dict:
     """Every flaw at once, through `snakemake` with no target (check, loader benchmark, memory
-    solve, LR finder, training, evaluation, report tables): every odd file is trained on (its
-    name intact, evaluated when in val/) or listed with its reason, and no traceback anywhere."""
-    root = flawed_copy(demo_root, tmp_path / "as_it_arrived")
-    listed, trained = every_flaw(root)
-    (workflow_copy / "data.yaml").write_text(
+    solve, LR finder, training, evaluation, report tables), in a workflow copy of its own: the
+    run both tests below read."""
+    base = tmp_path_factory.mktemp("every_flaw")
+    work = copy_workflow(base / "wf")
+    root = flawed_copy(demo_root, base / "as_it_arrived")
+    flaws, listed, trained = every_flaw(root)
+    (work / "data.yaml").write_text(
         f"dataset: {{root: {root}}}\nhydration: {{max_bad_fraction: 0.01}}\n" + QUICK)
-    res = snakemake(workflow_copy, "--configfile", "data.yaml", timeout=1500)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-4000:]
+    res = snakemake(work, "--configfile", "data.yaml", timeout=1500)
+    return {"work": work, "flaws": flaws, "listed": listed, "trained": trained,
+            "returncode": res.returncode, "out": res.stdout + res.stderr}
+
+
+def test_bad_files_are_excluded_named_and_never_opened(every_flaw_run):
+    """A truncated and a corrupt JPEG, a zero-byte file, an unreadable file and a text file
+    (among every other flaw): the check passes, lists each with its reason, and the pipeline
+    trains a full epoch (every training image read) without opening any of them."""
+    work, out = every_flaw_run["work"], every_flaw_run["out"]
+    assert every_flaw_run["returncode"] == 0, out[-4000:]
+    assert "Traceback" not in out
+    excluded = excluded_list(work / "results/hydration/local.excluded.txt")
+    for kind, path in every_flaw_run["flaws"].items():
+        assert str(path) in excluded, (kind, path)
+        assert kind.split()[0] in excluded[str(path)], (kind, excluded[str(path)])
+    report = json.loads((work / CHECK).read_text())
+    # the four unusable files and the two images over the pixel limit
+    assert report["verdict"] == "pass" and report["excluded"] == 6
+    # the text file, and the val/ image whose suffix is ".jpg "
+    assert report["bad_files"]["count"] == 6 and report["not_images"]["count"] == 2
+    # the demo's training images but the truncated and the corrupt one, and those added
+    usable = 1438 - 2 + sum("/train/" in p for p in every_flaw_run["trained"])
+    assert report["census"]["splits"]["train"]["files"] == usable
+    index = (work / "results/hydration/local.train.tsv").read_text()
+    assert all(p.name not in index for p in every_flaw_run["flaws"].values())
+    summary = json.loads((work / "results/train/local/train_summary.json").read_text())
+    assert summary["train_images"] == usable and summary["completed"]
+
+
+def test_a_data_set_with_every_flaw_goes_through_the_default_target(every_flaw_run):
+    """Every odd file is trained on (its name intact, evaluated when in val/) or listed with its
+    reason, and no traceback anywhere."""
+    workflow_copy, out = every_flaw_run["work"], every_flaw_run["out"]
+    listed, trained = every_flaw_run["listed"], every_flaw_run["trained"]
+    assert every_flaw_run["returncode"] == 0, out[-4000:]
     logs = [p for p in (workflow_copy / "logs").rglob("*") if p.is_file()]
     assert logs and not [p for p in logs if b"Traceback" in p.read_bytes()]
     assert "Traceback" not in out
