@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+# the throw-away Slurm cluster's fixtures (cluster, slurm_demo), for tests/test_slurm*.py
+pytest_plugins = ["slurm_cluster"]
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SNAKEMAKE = str(BIN / "snakemake")
@@ -181,7 +184,7 @@ def resume_line(point: dict) -> str:
             f"{point['global_step']}): its training digest matches")
 
 
-# The fixtures that run Snakemake end to end (conftest.py's; test_slurm.py's demo through
+# The fixtures that run Snakemake end to end (conftest.py's; slurm_cluster.py's demo through
 # profiles/slurm)
 RUNS_SNAKEMAKE = {"demo_root", "workflow_copy", "through_memory", "demo_run", "demo_run_copy",
                   "slurm_demo"}

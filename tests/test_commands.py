@@ -51,7 +51,7 @@ HOW = {
     "done": REAL,
     "snakemake --profile profiles/slurm": DRY,
     "snakemake train --profile profiles/slurm --configfile p4x2.yaml --config cluster=p4x2": DRY,
-    "tests/slurm/up.sh && ./run.sh test tests/test_slurm.py; tests/slurm/down.sh":
+    "tests/slurm/up.sh && ./run.sh test tests/test_slurm*.py -n 3; tests/slurm/down.sh":
         "it starts a Slurm cluster as root (.ci/run does, beside the suite)",
     "./run.sh test tests/test_lr.py -k aggregation": "it runs part of this suite",
     './run.sh test -m "not slow"': "it runs part of this suite",

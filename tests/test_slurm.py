@@ -1,23 +1,21 @@
 """Slurm: the training job's allocation and srun line, and the sentences for a failed step or a
 job that could not start (any machine); then the demo pipeline through profiles/slurm on the
-real throw-away multi-node cluster of tests/slurm/up.sh (only when it is up; .ci/run starts it
-and sets IMGCLF_REQUIRE_SLURM=1, which turns the skip into a failure): every job an sbatch job
-whose states come from slurmdbd's accounting, the LR-finder runs spread over the nodes, one
-srun step of 2 nodes x 1 CPU rank, a failed job reported with its log (the squeue status path),
-a rank killed on one node, a cancelled training, and a node down while the training is queued."""
+real throw-away multi-node cluster of tests/slurm/up.sh (only when it is up: slurm_cluster.py):
+every job an sbatch job whose states come from slurmdbd's accounting, the LR-finder runs spread
+over the nodes, one srun step of 2 nodes x 1 CPU rank, a failed job reported with its log (the
+squeue status path), and a node down while the training is queued. A rank killed on one node
+and a cancelled training: test_slurm_resume.py; a training longer than the partition's time
+limit: test_slurm_requeue.py."""
 
 from __future__ import annotations
 
 import ast
 import asyncio
 import json
-import math
 import os
 import re
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,8 +25,9 @@ from snakemake.iocontainers import ResourceList
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-from conftest import SNAKEMAKE, copy_workflow, resume_line, resume_point
 from imgclf import hardware, settings, slurm
+from slurm_cluster import (LOCAL, NODES, SPARE, SPARE_NODES, TRAIN_DIR, UPSTREAM, jobs_of,
+                           rules_submitted, run_slurm, sacct, slurm_job_of, slurm_jobs_of)
 
 P4X2 = {"name": "p4x2", "gpus_per_node": 8, "gpu_model": "A100", "gpu_memory_gb": 40,
         "nodes": 2, "cpus_per_node": 96, "ram_gb": 1152, "cpu_processes": 2,
@@ -261,132 +260,7 @@ def test_a_job_removed_at_its_deadline_is_explained(tmp_path):
     assert "sinfo -R" in sentence and "slurm_extra" in sentence
 
 
-# --- the throw-away cluster ------------------------------------------------------------------
-
-MARK = "# throw-away cluster of tests/slurm/up.sh"
-NODES = ("imgclf-n1", "imgclf-n2")
-TARGETS = {"all", "train"}  # rules without an action: Snakemake finishes them itself
-# local rules: the training's settings file, and the report's key tables (a second each)
-LOCAL = TARGETS | {"train_settings", "report_table"}
-UPSTREAM = ("prepare_demo_data", "check_hydration", "benchmark_loader", "solve_memory", "lr_find")
-SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
-# The cluster as a hardware entry: its 2 nodes, one CPU rank on each (they share this machine's
-# cores, so 1 CPU per node keeps the rules' threads honest); a one-point loader grid, 2 short LR
-# range tests and a short demo training.
-CLUSTER_YAML = """\
-clusters:
-  ci2x1: {gpus_per_node: 0, gpu_model: auto, gpu_memory_gb: auto, nodes: 2, cpus_per_node: 1,
-          ram_gb: 4, cpu_processes: 1}
-loader: {decoders: [pil], workers: [0], prefetch_factors: [2], measure_baseline: false,
-         seconds_per_config: 0.3, windows: 2, warmup_batches: 1}
-lr_finder: {runs: 2, num_iter: 30, skip_start: 3, skip_end: 2}
-noise_scale: {steps: 4, accumulate: 2}
-train: {epochs: 3, limit_train_batches: 6, limit_val_batches: 3}
-"""
-
-
-def entry(*configfiles: str) -> list[str]:
-    """The options that select the cluster's entry (one --configfile: a second would replace
-    the first's list; --config: it replaces the profile's config block)."""
-    return ["--configfile", "ci2x1.yaml", *configfiles, "--config", "cluster=ci2x1"]
-TRAIN_DIR = "results/train/ci2x1"
-
-
-def throwaway_cluster_up() -> str | None:
-    """None when the cluster of tests/slurm/up.sh is up and its nodes take jobs, else why not."""
-    conf = Path("/etc/slurm/slurm.conf")
-    if not conf.is_file() or MARK not in conf.read_text():
-        return "no throw-away Slurm cluster is up (start it with tests/slurm/up.sh)"
-    res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True,
-                         timeout=30)
-    states = dict(line.split() for line in res.stdout.splitlines() if line.strip())
-    ready = {n for n, s in states.items() if s in ("idle", "mixed", "allocated", "completing")}
-    if ready != set(NODES):
-        return f"the throw-away Slurm cluster's nodes do not take jobs: {states} {res.stderr}"
-    return None
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    why = throwaway_cluster_up()
-    if why:
-        if os.environ.get("IMGCLF_REQUIRE_SLURM") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-
-
-def run_slurm(work: Path, *args: str, configfiles=(), timeout: float = 900) -> tuple[int, str]:
-    """Snakemake through profiles/slurm for the 2-node entry, Slurm logs of successful jobs
-    kept; returns the exit code and stdout+stderr (also kept in run<N>.txt)."""
-    res = subprocess.run([SNAKEMAKE, "--profile", "profiles/slurm", "--slurm-keep-successful-logs",
-                          *args, *entry(*configfiles)], cwd=work, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    (work / f"run{len(list(work.glob('run*.txt')))}.txt").write_text(res.stdout)
-    return res.returncode, res.stdout
-
-
-def start_slurm(work: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
-    """run_slurm in the background; its output goes to `name`."""
-    out_file = work / name
-    with out_file.open("w") as f:
-        proc = subprocess.Popen([SNAKEMAKE, "--profile", "profiles/slurm",
-                                 "--slurm-keep-successful-logs", *args, *entry()], cwd=work,
-                                stdout=f, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return proc, out_file
-
-
-def jobs_of(output: str) -> tuple[dict, dict]:
-    """({snakemake jobid: (rule, local)}, {snakemake jobid: (slurm jobid, slurm log)})."""
-    jobs, rule = {}, None
-    for line in output.splitlines():
-        m = re.fullmatch(r"(local)?(?:rule|checkpoint) (\w+):", line.strip())
-        if m:
-            rule = (m.group(2), bool(m.group(1)))
-        m = re.fullmatch(r"jobid: (\d+)", line.strip())
-        if m and rule:
-            jobs[int(m.group(1))] = rule
-            rule = None
-    submitted = {int(j): (s, Path(log)) for j, s, log in SUBMITTED.findall(output)}
-    return jobs, submitted
-
-
-def rules_submitted(output: str) -> set[str]:
-    jobs, submitted = jobs_of(output)
-    return {jobs[j][0] for j in submitted}
-
-
-def slurm_jobs_of(output: str, rule: str) -> list[str]:
-    jobs, submitted = jobs_of(output)
-    return [s for j, (s, _) in submitted.items() if jobs[j][0] == rule]
-
-
-def slurm_job_of(output: str, rule: str) -> str:
-    ids = slurm_jobs_of(output, rule)
-    assert len(ids) == 1, output[-3000:]
-    return ids[0]
-
-
-def sacct(*jobs: str, steps: bool = False) -> list[dict]:
-    """What slurmdbd recorded for these jobs (and their steps)."""
-    fields = ["JobID", "JobName", "State", "NodeList", "NNodes", "NTasks", "Account", "Elapsed"]
-    res = subprocess.run(["sacct", "-P", "-n", *([] if steps else ["-X"]), "-j", ",".join(jobs),
-                          "-o", ",".join(fields)], capture_output=True, text=True, check=True)
-    return [dict(zip(fields, line.split("|"))) for line in res.stdout.splitlines()]
-
-
-@pytest.fixture(scope="module")
-def slurm_demo(cluster, tmp_path_factory):
-    """The demo pipeline, from the demo data on, through profiles/slurm in a fresh copy, for
-    the 2-node entry."""
-    work = copy_workflow(tmp_path_factory.mktemp("slurm_demo"))
-    (work / "ci2x1.yaml").write_text(CLUSTER_YAML)
-    t0 = time.monotonic()
-    rc, out = run_slurm(work)
-    assert rc == 0, out[-6000:]
-    print(f"demo pipeline through Slurm on 2 nodes: {time.monotonic() - t0:.0f} s")
-    return work, out
-
+# --- on the throw-away cluster ----------------------------------------------------------------
 
 def test_every_job_of_the_demo_went_through_slurm_and_its_accounting(slurm_demo):
     work, out = slurm_demo
@@ -468,160 +342,20 @@ def test_failed_job_is_reported_with_its_slurm_log_without_accounting(slurm_demo
     assert not set(UPSTREAM) & rules_submitted(out)
 
 
-def rank_process(job: str, procid: int) -> int:
-    """The pid of the training task `procid` of a Slurm job (the node namespaces share this
-    machine's process table)."""
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            env = dict(v.split("=", 1) for v in environ.read_bytes().decode(errors="replace")
-                       .split("\0") if "=" in v)
-            cmdline = (environ.parent / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (env.get("SLURM_JOB_ID") == job and env.get("SLURM_PROCID") == str(procid)
-                and env.get("SLURM_STEP_ID") not in (None, "batch")
-                and any(a.endswith(b"imgclf") for a in cmdline) and b"train" in cmdline):
-            return int(environ.parent.name)
-    raise AssertionError(f"no training task {procid} of job {job}")
-
-
-def wait_for(condition, proc: subprocess.Popen, out_file: Path, what: str, limit: float = 300):
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert proc.poll() is None, out_file.read_text()[-4000:]
-        assert time.monotonic() < deadline, f"no {what} within {limit:.0f} s"
-        time.sleep(0.5)
-
-
-def interrupted_training(work: Path, name: str, interrupt) -> str:
-    """Start the workflow, wait until training has written a new last.ckpt, `interrupt(job)`,
-    and return the workflow's output once it has stopped."""
-    last = work / TRAIN_DIR / "checkpoints/last.ckpt"
-    before = last.stat().st_mtime_ns if last.exists() else 0
-    proc, out_file = start_slurm(work, name)
-    try:
-        wait_for(lambda: last.exists() and last.stat().st_mtime_ns > before, proc, out_file,
-                 "new last.ckpt")
-        interrupt(slurm_job_of(out_file.read_text(), "train_model"))
-        assert proc.wait(timeout=300) != 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return out_file.read_text()
-
-
-def test_killed_rank_then_cancelled_job_then_resume_loses_nothing(slurm_demo):
-    """The demo's training (its model and evaluation removed): rank 1's process on the second
-    node killed mid-epoch ends the job with one sentence naming that node and the logs; the
-    rerun resumes and is cancelled with scancel; the next resumes again and completes with every
-    epoch's metrics, without rerunning anything upstream."""
-    work, _ = slurm_demo
-    shutil.rmtree(work / TRAIN_DIR)
-    for f in (work / "results/eval").glob("ci2x1*"):
-        f.unlink()
-
-    def kill_rank_1(job):
-        os.kill(rank_process(job, 1), 9)
-
-    out = interrupted_training(work, "killed.txt", kill_rank_1)
-    job = slurm_job_of(out, "train_model")
-    log = work / f".snakemake/slurm_logs/rule_train_model/ci2x1/{job}.log"
-    sentence = (f"Task 1 on node {NODES[1]} ended (Killed) and srun stopped the step's other "
-                f"tasks; see logs/train/ci2x1.log and {log}; run the workflow again to resume "
-                f"from {TRAIN_DIR}/checkpoints/last.ckpt.")
-    assert sentence in out, out[-5000:]  # Snakemake shows the rule's log, where it is too
-    assert sentence in (work / "logs/train/ci2x1.log").read_text()
-    assert f"SLURM-job '{job}' failed, SLURM status is: 'FAILED'. Reason:" in out, out[-4000:]
-
-    out = interrupted_training(work, "cancelled.txt",
-                               lambda job: subprocess.run(["scancel", job], check=True))
-    job = slurm_job_of(out, "train_model")
-    assert f"SLURM-job '{job}' failed, SLURM status is: 'CANCELLED'" in out, out[-4000:]
-    assert {r["State"] for r in sacct(job)} == {"CANCELLED by 0"}, sacct(job)
-
-    point = resume_point(work / TRAIN_DIR / "checkpoints/last.ckpt", work)
-    rc, out = run_slurm(work)
-    assert rc == 0, out[-6000:]
-    assert {"train_model", "evaluate"} <= rules_submitted(out)
-    assert not (set(UPSTREAM) | {"summarize_lr"}) & rules_submitted(out)
-    s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
-    assert s["resumed_from"] == point and s["attempts"] == 3, s["resume_note"]
-    assert resume_line(point) in (work / "logs/train/ci2x1.log").read_text()
-    assert s["completed"] and s["epochs_run"] == s["epochs_planned"]
-    epochs = [int(float(row.split(",")[0])) for row in
-              (work / TRAIN_DIR / "metrics.csv").read_text().splitlines()[1:]]
-    assert sorted(set(epochs)) == list(range(s["epochs_planned"])), epochs
-    assert (work / "results/eval/ci2x1.json").is_file()
-
-
-# A training longer than the partition's time limit of 2 minutes, less start-up and the signal's
-# lead (60 s before the limit; Slurm looks every 30 s, so it comes 60 to 90 s after the start):
-# whole demo epochs over the 2 nodes, as many as take about REQUEUE_TRAIN_SECONDS at the pace
-# the module's earlier training through Slurm kept (these machines differ up to 6x in speed).
-# The first start trains for 45 to 75 s before the signal, a resumed one for 25 to 55 s (its
-# start-up loads the checkpoint), so that is 2 or 3 starts on any of them.
-REQUEUE_TRAIN_SECONDS = 90
-REQUEUE_YAML = """\
-clusters: {{ci2x1: {{slurm_time_limit_minutes: 2}}}}
-train: {{epochs: {epochs}, limit_train_batches: null, limit_val_batches: 2}}
-"""
-
-
-def requeue_epochs(work: Path) -> int:
-    """Whole demo epochs for about REQUEUE_TRAIN_SECONDS of training (at least 6), from the
-    images/s of the last training in `work`."""
-    s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
-    epoch_seconds = s["train_images"] / s["images_per_s"]
-    return max(6, math.ceil(REQUEUE_TRAIN_SECONDS / epoch_seconds))
-
-
-def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
-    """The training job asks for the forecast's time capped by the partition's limit, is
-    signalled before it, saves last.ckpt, requeues itself under the same job id and resumes,
-    until it completes with every epoch's metrics: one successful job for Snakemake, several
-    runs of it in Slurm's accounting."""
-    work, _ = slurm_demo
-    epochs = requeue_epochs(work)
-    (work / "requeue.yaml").write_text(REQUEUE_YAML.format(epochs=epochs))
-    rc, out = run_slurm(work, "train", configfiles=("requeue.yaml",), timeout=1500)
-    assert rc == 0, out[-6000:]
-    job = slurm_job_of(out, "train_model")  # submitted once
-    assert "forecast" in rules_submitted(out) and not set(UPSTREAM) & rules_submitted(out)
-    runs = subprocess.run(["sacct", "-D", "-X", "-P", "-n", "-j", job, "-o",
-                           "JobID,State,TimelimitRaw"], capture_output=True, text=True,
-                          check=True).stdout.split()
-    states = [r.split("|")[1] for r in runs]
-    assert states.count("REQUEUED") >= 1 and states[-1] == "COMPLETED", runs
-    assert {r.split("|")[2] for r in runs} == {"2"}, runs  # minutes: the partition's limit
-    s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
-    assert s["completed"] and s["epochs_run"] == s["epochs_planned"] == epochs
-    assert s["attempts"] == states.count("REQUEUED") + 1, (s["attempts"], runs)
-    # the Slurm log, appended to by each start (Snakemake starts the rule's log afresh)
-    log = (work / f".snakemake/slurm_logs/rule_train_model/ci2x1/{job}.log").read_text()
-    saved = re.findall(r"Slurm's time limit is near: saved \S+last\.ckpt at epoch (\d+), step "
-                       r"(\d+), and requeued the job, which resumes from it", log)
-    resumed = re.findall(r"resuming from \S+last\.ckpt \(epoch (\d+), step (\d+)\)", log)
-    assert saved and saved == resumed, (saved, resumed)  # each start resumed where one stopped
-    metrics = (work / TRAIN_DIR / "metrics.csv").read_text().splitlines()
-    header = metrics[0].split(",")
-    val = [row.split(",") for row in metrics[1:]]
-    val = {int(float(r[header.index("epoch")])) for r in val if r[header.index("val/acc1")]}
-    assert val == set(range(epochs)), sorted(val)
-
-
 def test_a_node_down_while_training_is_queued_fails_at_the_deadline(slurm_demo):
-    """Training needs both nodes; with one down its job waits, and Slurm removes it at the
-    deadline of the profile's slurm_extra (here: it must start within 75 s), which the
-    workflow reports in one sentence instead of waiting forever."""
+    """Training needs two nodes; in partition spare, one of whose two nodes is down, its job
+    waits, and Slurm removes it at the deadline of the profile's slurm_extra (here: it must
+    start within 75 s), which the workflow reports in one sentence instead of waiting forever.
+    (The down node is one no other test's job runs on, so that they run on meanwhile.)"""
     work, _ = slurm_demo
-    subprocess.run(["scontrol", "update", f"nodename={NODES[1]}", "state=down",
+    subprocess.run(["scontrol", "update", f"nodename={SPARE_NODES[1]}", "state=down",
                     "reason=test of a node that is down"], check=True)
     try:
         rc, out = run_slurm(work, "--forcerun", "train_model", "--set-resources",
-                            "train_model:runtime=1",
+                            "train_model:runtime=1", f"train_model:slurm_partition={SPARE}",
                             "train_model:slurm_extra='--deadline=now+75seconds'", timeout=300)
     finally:
-        subprocess.run(["scontrol", "update", f"nodename={NODES[1]}", "state=resume"],
+        subprocess.run(["scontrol", "update", f"nodename={SPARE_NODES[1]}", "state=resume"],
                        check=True)
     assert rc != 0
     job = slurm_job_of(out, "train_model")

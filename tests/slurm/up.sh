@@ -6,10 +6,16 @@
 # slurmdbd with a local MariaDB for job accounting (sacct), and munged run in the root namespace.
 # Debian's packages, installed if missing. Every daemon writes a pid file under $STATE;
 # tests/slurm/down.sh stops exactly those, and removes the namespaces, bridge and hosts lines.
+# The NODES compute nodes form partition debug, the default; two more form partition spare, for
+# a test that sets one of them down while a job that needs both waits there, and the other
+# tests' jobs run on in partition debug (a node in both partitions would be held for the job
+# that waits).
 #   STATE=/tmp/imgclf-slurm NODES=2 tests/slurm/up.sh
 set -euo pipefail
 STATE="${STATE:-/tmp/imgclf-slurm}"
 NODES="${NODES:-2}"
+ALL=$((NODES + 2))
+SPARE="imgclf-n[$((NODES + 1))-$ALL]"
 CONF=/etc/slurm/slurm.conf   # the plugin's job step drops SLURM_CONF: only this path works
 DBD_CONF=/etc/slurm/slurmdbd.conf
 MARK="# throw-away cluster of tests/slurm/up.sh"
@@ -51,7 +57,7 @@ ip addr add "$NET.1/24" dev "$BRIDGE"
 ip link set "$BRIDGE" up
 echo "$BRIDGE" > "$STATE/bridge"
 nodes=()
-for i in $(seq 1 "$NODES"); do
+for i in $(seq 1 "$ALL"); do
     node=imgclf-n$i
     nodes+=("$node")
     ip netns add "$node"
@@ -101,7 +107,7 @@ slurmdbd
 
 # --- slurmctld and one slurmd per node namespace --------------------------------------------
 node_lines=""
-for i in $(seq 1 "$NODES"); do
+for i in $(seq 1 "$ALL"); do
     node_lines+="NodeName=imgclf-n$i NodeAddr=$NET.$((10 + i)) CPUs=$cpus RealMemory=$mem_mb Gres=gpu:1 State=UNKNOWN
 "
 done
@@ -141,11 +147,12 @@ MpiDefault=none
 # one pretend GPU per node so that rules asking for a GPU schedule (one per node at a time,
 # which spreads one-GPU jobs over the nodes); the job sees no CUDA device
 GresTypes=gpu
-${node_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+${node_lines}PartitionName=debug Nodes=imgclf-n[1-$NODES] Default=YES MaxTime=INFINITE State=UP
+PartitionName=spare Nodes=$SPARE MaxTime=INFINITE State=UP
 CONF
 cat > /etc/slurm/gres.conf <<CONF
 $MARK
-NodeName=imgclf-n[1-$NODES] Name=gpu File=/dev/null
+NodeName=imgclf-n[1-$ALL] Name=gpu File=/dev/null
 CONF
 
 for _ in $(seq 1 60); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.5; done
@@ -162,9 +169,10 @@ done
 
 for _ in $(seq 1 120); do
     idle=$(sinfo -h -N -o "%N %T" 2>/dev/null | awk '$2 == "idle"' | wc -l)
-    if [ "$idle" = "$NODES" ]; then
+    if [ "$idle" = "$ALL" ]; then
         echo "Slurm cluster up: nodes ${nodes[*]} ($cpus CPUs, ${mem_mb} MB, 1 pretend GPU each)" \
-             "on $NET.0/24, partition debug, accounting by slurmdbd (account demo); state in $STATE"
+             "on $NET.0/24, partitions debug (imgclf-n[1-$NODES]) and spare ($SPARE)," \
+             "accounting by slurmdbd (account demo); state in $STATE"
         exit 0
     fi
     sleep 0.5

@@ -1,0 +1,149 @@
+"""The throw-away multi-node cluster of tests/slurm/up.sh as the Slurm tests use it: whether it
+is up (.ci/run starts it and sets IMGCLF_REQUIRE_SLURM=1, which turns the tests' skip into a
+failure), its 2-node hardware entry, Snakemake through profiles/slurm, what the output and
+slurmdbd's accounting say about the jobs, and the demo pipeline through the cluster, which the
+tests of tests/test_slurm*.py share."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SNAKEMAKE, built_once, copy_workflow
+
+MARK = "# throw-away cluster of tests/slurm/up.sh"
+NODES = ("imgclf-n1", "imgclf-n2")  # partition debug, the default
+# partition spare: two nodes no other test's job runs on, the second of which a test sets down
+SPARE, SPARE_NODES = "spare", ("imgclf-n3", "imgclf-n4")
+TARGETS = {"all", "train"}  # rules without an action: Snakemake finishes them itself
+# local rules: the training's settings file, and the report's key tables (a second each)
+LOCAL = TARGETS | {"train_settings", "report_table"}
+UPSTREAM = ("prepare_demo_data", "check_hydration", "benchmark_loader", "solve_memory", "lr_find")
+SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
+# The cluster as a hardware entry: its 2 nodes, one CPU rank on each (they share this machine's
+# cores, so 1 CPU per node keeps the rules' threads honest); a one-point loader grid, 2 short LR
+# range tests and a short demo training.
+CLUSTER_YAML = """\
+clusters:
+  ci2x1: {gpus_per_node: 0, gpu_model: auto, gpu_memory_gb: auto, nodes: 2, cpus_per_node: 1,
+          ram_gb: 4, cpu_processes: 1}
+loader: {decoders: [pil], workers: [0], prefetch_factors: [2], measure_baseline: false,
+         seconds_per_config: 0.3, windows: 2, warmup_batches: 1}
+lr_finder: {runs: 2, num_iter: 30, skip_start: 3, skip_end: 2}
+noise_scale: {steps: 4, accumulate: 2}
+train: {epochs: 3, limit_train_batches: 6, limit_val_batches: 3}
+"""
+
+
+def entry(*configfiles: str) -> list[str]:
+    """The options that select the cluster's entry (one --configfile: a second would replace
+    the first's list; --config: it replaces the profile's config block)."""
+    return ["--configfile", "ci2x1.yaml", *configfiles, "--config", "cluster=ci2x1"]
+TRAIN_DIR = "results/train/ci2x1"
+
+
+def throwaway_cluster_up() -> str | None:
+    """None when the cluster of tests/slurm/up.sh is up and its nodes take jobs, else why not."""
+    conf = Path("/etc/slurm/slurm.conf")
+    if not conf.is_file() or MARK not in conf.read_text():
+        return "no throw-away Slurm cluster is up (start it with tests/slurm/up.sh)"
+    res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True,
+                         timeout=30)
+    states = dict(line.split() for line in res.stdout.splitlines() if line.strip())
+    ready = {n for n, s in states.items() if s in ("idle", "mixed", "allocated", "completing")}
+    # a spare node may be down already: a test on another pytest-xdist worker set it down
+    if not set(NODES) <= ready or not set(SPARE_NODES) <= set(states):
+        return f"the throw-away Slurm cluster's nodes do not take jobs: {states} {res.stderr}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    why = throwaway_cluster_up()
+    if why:
+        if os.environ.get("IMGCLF_REQUIRE_SLURM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def run_slurm(work: Path, *args: str, configfiles=(), timeout: float = 900) -> tuple[int, str]:
+    """Snakemake through profiles/slurm for the 2-node entry, Slurm logs of successful jobs
+    kept; returns the exit code and stdout+stderr (also kept in run<N>.txt)."""
+    res = subprocess.run([SNAKEMAKE, "--profile", "profiles/slurm", "--slurm-keep-successful-logs",
+                          *args, *entry(*configfiles)], cwd=work, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    (work / f"run{len(list(work.glob('run*.txt')))}.txt").write_text(res.stdout)
+    return res.returncode, res.stdout
+
+
+def start_slurm(work: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
+    """run_slurm in the background; its output goes to `name`."""
+    out_file = work / name
+    with out_file.open("w") as f:
+        proc = subprocess.Popen([SNAKEMAKE, "--profile", "profiles/slurm",
+                                 "--slurm-keep-successful-logs", *args, *entry()], cwd=work,
+                                stdout=f, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, out_file
+
+
+def jobs_of(output: str) -> tuple[dict, dict]:
+    """({snakemake jobid: (rule, local)}, {snakemake jobid: (slurm jobid, slurm log)})."""
+    jobs, rule = {}, None
+    for line in output.splitlines():
+        m = re.fullmatch(r"(local)?(?:rule|checkpoint) (\w+):", line.strip())
+        if m:
+            rule = (m.group(2), bool(m.group(1)))
+        m = re.fullmatch(r"jobid: (\d+)", line.strip())
+        if m and rule:
+            jobs[int(m.group(1))] = rule
+            rule = None
+    submitted = {int(j): (s, Path(log)) for j, s, log in SUBMITTED.findall(output)}
+    return jobs, submitted
+
+
+def rules_submitted(output: str) -> set[str]:
+    jobs, submitted = jobs_of(output)
+    return {jobs[j][0] for j in submitted}
+
+
+def slurm_jobs_of(output: str, rule: str) -> list[str]:
+    jobs, submitted = jobs_of(output)
+    return [s for j, (s, _) in submitted.items() if jobs[j][0] == rule]
+
+
+def slurm_job_of(output: str, rule: str) -> str:
+    ids = slurm_jobs_of(output, rule)
+    assert len(ids) == 1, output[-3000:]
+    return ids[0]
+
+
+def sacct(*jobs: str, steps: bool = False) -> list[dict]:
+    """What slurmdbd recorded for these jobs (and their steps)."""
+    fields = ["JobID", "JobName", "State", "NodeList", "NNodes", "NTasks", "Account", "Elapsed"]
+    res = subprocess.run(["sacct", "-P", "-n", *([] if steps else ["-X"]), "-j", ",".join(jobs),
+                          "-o", ",".join(fields)], capture_output=True, text=True, check=True)
+    return [dict(zip(fields, line.split("|"))) for line in res.stdout.splitlines()]
+
+
+@pytest.fixture
+def slurm_demo(cluster, tmp_path_factory):
+    """The demo pipeline, from the demo data on, through profiles/slurm in a fresh copy, for
+    the 2-node entry: run once per test run (conftest.py's built_once, whichever pytest-xdist
+    worker asks first; .ci/run runs the Slurm test files side by side, one per worker), and each
+    test given a copy of its own, which it may change; with the run's output."""
+    def build(work: Path):
+        copy_workflow(work)
+        (work / "ci2x1.yaml").write_text(CLUSTER_YAML)
+        t0 = time.monotonic()
+        rc, out = run_slurm(work)
+        assert rc == 0, out[-6000:]
+        print(f"demo pipeline through Slurm on 2 nodes: {time.monotonic() - t0:.0f} s")
+
+    work = built_once(tmp_path_factory, "slurm_demo", build)
+    return work, (work / "run0.txt").read_text()

@@ -1,0 +1,68 @@
+"""On the throw-away cluster (slurm_cluster.py): a training longer than the partition's time
+limit, signalled before it, requeued and resumed until it completes. A file of its own, so that
+.ci/run runs it beside the other Slurm tests."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+from pathlib import Path
+
+from slurm_cluster import TRAIN_DIR, UPSTREAM, rules_submitted, run_slurm, slurm_job_of
+
+
+# A training longer than the partition's time limit of 2 minutes, less start-up and the signal's
+# lead (60 s before the limit; Slurm looks every 30 s, so it comes 60 to 90 s after the start):
+# whole demo epochs over the 2 nodes, as many as take about REQUEUE_TRAIN_SECONDS at the pace
+# the module's earlier training through Slurm kept (these machines differ up to 6x in speed).
+# The first start trains for 45 to 75 s before the signal, a resumed one for 25 to 55 s (its
+# start-up loads the checkpoint), so that is 2 or 3 starts on any of them.
+REQUEUE_TRAIN_SECONDS = 90
+REQUEUE_YAML = """\
+clusters: {{ci2x1: {{slurm_time_limit_minutes: 2}}}}
+train: {{epochs: {epochs}, limit_train_batches: null, limit_val_batches: 2}}
+"""
+
+
+def requeue_epochs(work: Path) -> int:
+    """Whole demo epochs for about REQUEUE_TRAIN_SECONDS of training (at least 6), from the
+    images/s of the last training in `work`."""
+    s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
+    epoch_seconds = s["train_images"] / s["images_per_s"]
+    return max(6, math.ceil(REQUEUE_TRAIN_SECONDS / epoch_seconds))
+
+
+def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
+    """The training job asks for the forecast's time capped by the partition's limit, is
+    signalled before it, saves last.ckpt, requeues itself under the same job id and resumes,
+    until it completes with every epoch's metrics: one successful job for Snakemake, several
+    runs of it in Slurm's accounting."""
+    work, _ = slurm_demo
+    epochs = requeue_epochs(work)
+    (work / "requeue.yaml").write_text(REQUEUE_YAML.format(epochs=epochs))
+    rc, out = run_slurm(work, "train", configfiles=("requeue.yaml",), timeout=1500)
+    assert rc == 0, out[-6000:]
+    job = slurm_job_of(out, "train_model")  # submitted once
+    assert "forecast" in rules_submitted(out) and not set(UPSTREAM) & rules_submitted(out)
+    runs = subprocess.run(["sacct", "-D", "-X", "-P", "-n", "-j", job, "-o",
+                           "JobID,State,TimelimitRaw"], capture_output=True, text=True,
+                          check=True).stdout.split()
+    states = [r.split("|")[1] for r in runs]
+    assert states.count("REQUEUED") >= 1 and states[-1] == "COMPLETED", runs
+    assert {r.split("|")[2] for r in runs} == {"2"}, runs  # minutes: the partition's limit
+    s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
+    assert s["completed"] and s["epochs_run"] == s["epochs_planned"] == epochs
+    assert s["attempts"] == states.count("REQUEUED") + 1, (s["attempts"], runs)
+    # the Slurm log, appended to by each start (Snakemake starts the rule's log afresh)
+    log = (work / f".snakemake/slurm_logs/rule_train_model/ci2x1/{job}.log").read_text()
+    saved = re.findall(r"Slurm's time limit is near: saved \S+last\.ckpt at epoch (\d+), step "
+                       r"(\d+), and requeued the job, which resumes from it", log)
+    resumed = re.findall(r"resuming from \S+last\.ckpt \(epoch (\d+), step (\d+)\)", log)
+    assert saved and saved == resumed, (saved, resumed)  # each start resumed where one stopped
+    metrics = (work / TRAIN_DIR / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    val = [row.split(",") for row in metrics[1:]]
+    val = {int(float(r[header.index("epoch")])) for r in val if r[header.index("val/acc1")]}
+    assert val == set(range(epochs)), sorted(val)
