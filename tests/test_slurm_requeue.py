@@ -14,11 +14,11 @@ from slurm_cluster import TRAIN_DIR, UPSTREAM, rules_submitted, run_slurm, slurm
 
 
 # A training longer than the partition's time limit of 2 minutes, less start-up and the signal's
-# lead (60 s before the limit; Slurm looks every 30 s, so it comes 60 to 90 s after the start):
-# whole demo epochs over the 2 nodes, as many as take about REQUEUE_TRAIN_SECONDS at the pace
-# the module's earlier training through Slurm kept (these machines differ up to 6x in speed).
-# The first start trains for 45 to 75 s before the signal, a resumed one for 25 to 55 s (its
-# start-up loads the checkpoint), so that is 2 or 3 starts on any of them.
+# lead (due 60 s before the limit, Slurm may send it up to 60 s earlier: it came 32 to 41 s after
+# a start here): whole demo epochs over the 2 nodes, as many as take about REQUEUE_TRAIN_SECONDS
+# at the pace the demo's training through Slurm kept (these machines differ up to 6x in speed).
+# A start trains for at most about 55 s before the signal, so even at 1.5 times that pace there
+# is a requeue; at the pace, 2 to 4 starts.
 REQUEUE_TRAIN_SECONDS = 90
 REQUEUE_YAML = """\
 clusters: {{ci2x1: {{slurm_time_limit_minutes: 2}}}}

@@ -118,8 +118,9 @@ SlurmctldHost=$host($NET.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-# a requeued job waits this long before it starts again (Slurm's default 120 s)
-AuthInfo=cred_expire=30
+# a requeued job waits this long before it starts again (Slurm's default 120 s); it is also how
+# long a job step's credential is valid, which a step on this machine uses within a second
+AuthInfo=cred_expire=15
 StateSaveLocation=$STATE/ctld
 SlurmctldPidFile=$STATE/slurmctld.pid
 SlurmctldLogFile=$STATE/slurmctld.log
@@ -139,6 +140,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 # finished jobs stay in squeue for the status path of clusters without accounting
 MinJobAge=300
+# the main scheduling loop every 5 s (Slurm's default 60 s): a requeued job whose wait is over
+# starts then, where no event would start it sooner
+SchedulerParameters=sched_interval=5
 # a node set DOWN by hand stays down until "scontrol update ... state=resume"
 ReturnToService=1
 # a cancelled or failed step's tasks get SIGKILL 10 s after SIGTERM (Slurm's default is 30)
