@@ -40,8 +40,23 @@ for f in "$CONF" "$DBD_CONF"; do
     fi
 done
 if [ -e "$STATE" ]; then
-    echo "$STATE exists: a test cluster is up or was not stopped; run tests/slurm/down.sh" >&2
-    exit 1
+    # left behind by a machine that stopped (or was restored) with the cluster up: none of its
+    # daemons runs, so tests/slurm/down.sh clears what is left; a running one is never touched
+    alive=""
+    for pidfile in "$STATE"/*.pid; do
+        [ -s "$pidfile" ] || continue
+        name=$(basename "$pidfile" .pid)
+        pid=$(cat "$pidfile")
+        # the pid's process must be the daemon named by its file: after a restart the number
+        # may belong to another process
+        [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "${name%%-*}" ] && alive+=" $name"
+    done
+    if [ -n "$alive" ]; then
+        echo "$STATE exists and its daemons run ($alive): a test cluster is up; run tests/slurm/down.sh" >&2
+        exit 1
+    fi
+    echo "$STATE is left from a test cluster whose daemons are gone: clearing it" >&2
+    STATE="$STATE" "$(dirname "$0")/down.sh"
 fi
 
 host=$(hostname -s)
