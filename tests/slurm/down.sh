@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Stop exactly the daemons tests/slurm/up.sh started, by their pid files (never by name), and
-# remove what it made: the node namespaces, the bridge, its /etc/hosts lines and configuration.
+# Stop exactly the daemons tests/slurm/up.sh started, by their pid files (never by name; a pid
+# whose process is not the daemon its file names is left alone), and remove what it made: the
+# node namespaces, the bridge, its /etc/hosts lines and configuration.
 set -uo pipefail
+source "$(dirname "$0")/daemons.sh"
 STATE="${STATE:-/tmp/imgclf-slurm}"
 MARK="# throw-away cluster of tests/slurm/up.sh"
 
 stop() {  # pid file
-    [ -s "$1" ] || return 0
     local pid
-    pid=$(cat "$1")
-    if kill -0 "$pid" 2>/dev/null; then
+    if pid=$(running_pid "$1"); then
         kill "$pid"
         for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
         kill -0 "$pid" 2>/dev/null && kill -9 "$pid"

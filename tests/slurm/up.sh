@@ -12,6 +12,7 @@
 # that waits).
 #   STATE=/tmp/imgclf-slurm NODES=2 tests/slurm/up.sh
 set -euo pipefail
+source "$(dirname "$0")/daemons.sh"
 STATE="${STATE:-/tmp/imgclf-slurm}"
 NODES="${NODES:-2}"
 ALL=$((NODES + 2))
@@ -44,12 +45,7 @@ if [ -e "$STATE" ]; then
     # daemons runs, so tests/slurm/down.sh clears what is left; a running one is never touched
     alive=""
     for pidfile in "$STATE"/*.pid; do
-        [ -s "$pidfile" ] || continue
-        name=$(basename "$pidfile" .pid)
-        pid=$(cat "$pidfile")
-        # the pid's process must be the daemon named by its file: after a restart the number
-        # may belong to another process
-        [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "${name%%-*}" ] && alive+=" $name"
+        running_pid "$pidfile" >/dev/null && alive+=" $(basename "$pidfile" .pid)"
     done
     if [ -n "$alive" ]; then
         echo "$STATE exists and its daemons run ($alive): a test cluster is up; run tests/slurm/down.sh" >&2
