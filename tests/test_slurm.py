@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,29 @@ def test_a_rank_ignores_the_requeue_signal_once_it_exits():
                          env={**os.environ, "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"},
                          timeout=60)
     assert res.stdout.split() == ["note", "True"], res.stdout + res.stderr
+
+
+def test_a_requeued_rank_ends_at_slurms_sigterm():
+    """After the rank requeued the job, Slurm's SIGTERM ends it at once, though a handler that
+    only notes SIGTERM (Lightning's, under Slurm) was installed: otherwise the run would hold its
+    nodes until Slurm's SIGKILL, KillWait seconds later. SIGTERM is sent until the process ends
+    (one sent before it reached the wait is only noted), 20 times at most."""
+    code = ("import signal; from imgclf import slurm; "
+            "signal.signal(signal.SIGTERM, lambda *a: print('noted', flush=True)); "
+            "print('requeued', flush=True); slurm.wait_for_the_requeue()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "requeued\n"
+        for _ in range(20):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        proc.kill()
+    assert proc.wait() == -signal.SIGTERM
 
 
 def test_training_asks_for_its_forecast_time_and_requeues_at_the_partition_limit(tmp_path):

@@ -254,8 +254,11 @@ def requeue_job() -> bool:
 
 
 def wait_for_the_requeue(seconds: float = 600) -> None:
-    """After `scontrol requeue`: Slurm ends this run of the job within seconds; training must
-    not go on past its checkpoint meanwhile."""
+    """After `scontrol requeue`: Slurm ends this run of the job within seconds, with SIGTERM and
+    KillWait seconds later SIGKILL; training must not go on past its checkpoint meanwhile. Here
+    SIGTERM ends the rank at once: Lightning's handler would only note it, and the run would hold
+    its nodes until the SIGKILL (KillWait is 30 s by default), which the next start waits for."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(seconds)
     raise RuntimeError(f"the job was requeued but still ran {seconds:.0f} s later")
 
