@@ -123,10 +123,15 @@ def slurm_job_of(output: str, rule: str) -> str:
     return ids[0]
 
 
-def sacct(*jobs: str, steps: bool = False) -> list[dict]:
-    """What slurmdbd recorded for these jobs (and their steps)."""
-    fields = ["JobID", "JobName", "State", "NodeList", "NNodes", "NTasks", "Account", "Elapsed"]
-    res = subprocess.run(["sacct", "-P", "-n", *([] if steps else ["-X"]), "-j", ",".join(jobs),
+SACCT_FIELDS = ("JobID", "JobName", "State", "NodeList", "NNodes", "NTasks", "Account", "Elapsed")
+
+
+def sacct(*jobs: str, steps: bool = False, every_run: bool = False,
+          fields=SACCT_FIELDS) -> list[dict]:
+    """What slurmdbd recorded for these jobs (and their steps; `every_run`: each run of a
+    requeued job, not only its latest). A job may be a step ("12.0")."""
+    res = subprocess.run(["sacct", "-P", "-n", *([] if steps else ["-X"]),
+                          *(["-D"] if every_run else []), "-j", ",".join(jobs),
                           "-o", ",".join(fields)], capture_output=True, text=True, check=True)
     return [dict(zip(fields, line.split("|"))) for line in res.stdout.splitlines()]
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 from pathlib import Path
 
-from slurm_cluster import TRAIN_DIR, UPSTREAM, rules_submitted, run_slurm, slurm_job_of
+from slurm_cluster import TRAIN_DIR, UPSTREAM, rules_submitted, run_slurm, sacct, slurm_job_of
 
 
 # A training longer than the partition's time limit of 2 minutes, less start-up and the signal's
@@ -48,17 +47,15 @@ def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
     assert rc == 0, out[-6000:]
     job = slurm_job_of(out, "train_model")  # submitted once
     assert "forecast" in rules_submitted(out) and not set(UPSTREAM) & rules_submitted(out)
-    runs = subprocess.run(["sacct", "-D", "-X", "-P", "-n", "-j", job, "-o",
-                           "JobID,State,TimelimitRaw"], capture_output=True, text=True,
-                          check=True).stdout.split()
-    states = [r.split("|")[1] for r in runs]
+    runs = sacct(job, every_run=True, fields=("JobID", "State", "TimelimitRaw"))
+    states = [r["State"] for r in runs]
     assert states.count("REQUEUED") >= 1 and states[-1] == "COMPLETED", runs
-    assert {r.split("|")[2] for r in runs} == {"2"}, runs  # minutes: the partition's limit
+    assert {r["TimelimitRaw"] for r in runs} == {"2"}, runs  # minutes: the partition's limit
     # each requeued run's training step ended at Slurm's SIGTERM, not at the SIGKILL KillWait
     # later (exit code 0:9): killed by it (0:15), or exiting from Lightning's handler (1:0) when
     # it came before the rank reached its wait
-    steps = subprocess.run(["sacct", "-D", "-P", "-n", "-j", f"{job}.0", "-o", "ExitCode"],
-                           capture_output=True, text=True, check=True).stdout.split()
+    steps = [r["ExitCode"] for r in sacct(f"{job}.0", steps=True, every_run=True,
+                                          fields=("JobID", "ExitCode"))]
     assert len(steps) == len(runs) and steps[-1] == "0:0", (steps, runs)
     assert not [code for code in steps if code.endswith(":9")], (steps, runs)
     s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
