@@ -19,9 +19,9 @@ pytest_plugins = ["slurm_cluster"]
 # The suite runs several torch processes at once on few cores (two workers, each running
 # Snakemake's jobs of 2 threads, beside the test cluster's jobs in CI). By default the OpenMP
 # threads of PyTorch's CPU kernels spin between kernels, taking the cores from the other
-# processes' working threads: two 2-thread trainings side by side on 2 cores took 27 s each
-# spinning and 5 s passive (docs/benchmarks.md, "Test suite"). Every process the suite starts
-# inherits this, and libgomp reads it when torch loads it, so it is set before any import of torch.
+# processes' working threads: two 2-thread trainings side by side on 2 cores took 16 s each
+# spinning and 5 s passive (benchmarks/omp_wait.py). Every process the suite starts inherits
+# this, and libgomp reads it when torch loads it, so it is set before any import of torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO = Path(__file__).resolve().parents[1]
