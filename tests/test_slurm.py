@@ -91,27 +91,91 @@ def test_a_rank_ignores_the_requeue_signal_once_it_exits():
     assert res.stdout.split() == ["note", "True"], res.stdout + res.stderr
 
 
-def test_a_requeued_rank_ends_at_slurms_sigterm():
-    """After the rank requeued the job, Slurm's SIGTERM ends it at once, though a handler that
-    only notes SIGTERM (Lightning's, under Slurm) was installed: otherwise the run would hold its
-    nodes until Slurm's SIGKILL, KillWait seconds later. SIGTERM is sent until the process ends
-    (one sent before it reached the wait is only noted), 20 times at most."""
-    code = ("import signal; from imgclf import slurm; "
-            "signal.signal(signal.SIGTERM, lambda *a: print('noted', flush=True)); "
-            "print('requeued', flush=True); slurm.wait_for_the_requeue()")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+# Two training ranks as srun starts them (its variables; one rank per "node"), with the requeue
+# callback, whose `scontrol` on PATH answers `scontrol requeue` as Slurm does: SIGTERM to the
+# step's tasks, while the command still runs or just after it returned; or refuses it.
+REQUEUED_RANK = """
+import logging, sys, time
+from pathlib import Path
+from imgclf import slurm
+slurm.catch_requeue_signal()
+import lightning as L, torch
+from torch.utils.data import DataLoader, TensorDataset
+from imgclf.train.callbacks import RequeueAtTimeLimit
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, i):
+        if i == 0:
+            print("training", flush=True)
+        time.sleep(0.01)
+        return self.layer(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), 0.01)
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(600, 4)), batch_size=1)
+
+trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", max_epochs=1,
+                    callbacks=[RequeueAtTimeLimit(Path(sys.argv[1]))], logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(Tiny())
+print("trained", trainer.global_step, flush=True)
+"""
+SCONTROL = """#!/bin/sh
+case "$SLURM_ANSWER" in
+    during) kill -TERM $(cat "$RANK_PIDS"); sleep 1 ;;
+    after) (sleep 0.3; kill -TERM $(cat "$RANK_PIDS")) & ;;
+    refused) echo "scontrol: error: Requeue of job not allowed" >&2; exit 1 ;;
+esac
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answer", ["during", "after", "refused"])
+def test_ranks_end_at_the_requeues_sigterm_or_train_on_when_it_is_refused(tmp_path, answer):
+    """At Slurm's signal both ranks save last.ckpt and rank 0 requeues the job; Slurm's SIGTERM
+    then ends both at once, though Lightning's SIGTERM handler was installed (its broadcast
+    inside the handler aborted one rank and left the other waiting for the SIGKILL, KillWait
+    later). A refused requeue is said, and training goes on to its end."""
+    import socket
+
+    (tmp_path / "scontrol").write_text(SCONTROL)
+    (tmp_path / "scontrol").chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
+           "SLURM_NNODES": "2", "SLURM_NODELIST": "localhost", "SLURM_LOCALID": "0",
+           "MASTER_PORT": str(port), "RANK_PIDS": str(tmp_path / "pids"), "SLURM_ANSWER": answer}
+    ranks = [subprocess.Popen([sys.executable, "-c", REQUEUED_RANK, str(tmp_path)],
+                              env={**env, "SLURM_PROCID": str(r), "SLURM_NODEID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
     try:
-        assert proc.stdout.readline() == "requeued\n"
-        for _ in range(20):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
+        (tmp_path / "pids").write_text(" ".join(str(rank.pid) for rank in ranks))
+        for rank in ranks:
+            while (line := rank.stdout.readline()) not in ("training\n", ""):
                 pass
+        for rank in ranks:
+            rank.send_signal(signal.SIGUSR1)  # Slurm's, its lead before the time limit
+        codes = [rank.wait(timeout=60) for rank in ranks]  # Slurm's KillWait: 30 s by default
     finally:
-        proc.kill()
-    assert proc.wait() == -signal.SIGTERM
+        for rank in ranks:
+            rank.kill()
+    out = [rank.stdout.read() for rank in ranks]
+    assert (tmp_path / "last.ckpt").is_file()
+    assert "Slurm's time limit is near: saved" in out[0], out[0]
+    if answer == "refused":
+        assert codes == [0, 0], out
+        assert "could not requeue the job" in out[0] and "trained 300" in out[0], out[0]  # 600 / 2
+        assert out[0].count("time limit is near") == 1, out[0]  # not asked again
+    else:
+        assert codes == [-signal.SIGTERM] * 2, out
 
 
 def test_training_asks_for_its_forecast_time_and_requeues_at_the_partition_limit(tmp_path):

@@ -253,12 +253,19 @@ def requeue_job() -> bool:
     return res.returncode == 0
 
 
+def end_at_sigterm():
+    """From now on SIGTERM ends this rank at once; the handler it replaces. Set on every rank
+    before the job is requeued, as Slurm ends the run with SIGTERM and, KillWait seconds later
+    (30 by default), SIGKILL. Lightning's SIGTERM handler (installed under Slurm) would keep the
+    rank alive and run a broadcast from inside the handler, which pairs with whatever collective
+    the other rank is in: a mismatch that aborts one rank and leaves the other waiting for the
+    SIGKILL, holding its nodes from the next start."""
+    return signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def wait_for_the_requeue(seconds: float = 600) -> None:
-    """After `scontrol requeue`: Slurm ends this run of the job within seconds, with SIGTERM and
-    KillWait seconds later SIGKILL; training must not go on past its checkpoint meanwhile. Here
-    SIGTERM ends the rank at once: Lightning's handler would only note it, and the run would hold
-    its nodes until the SIGKILL (KillWait is 30 s by default), which the next start waits for."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """After `scontrol requeue`, until Slurm's SIGTERM ends this run (end_at_sigterm): training
+    must not go on past its checkpoint meanwhile."""
     time.sleep(seconds)
     raise RuntimeError(f"the job was requeued but still ran {seconds:.0f} s later")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -232,29 +233,44 @@ class RequeueAtTimeLimit(Callback):
     """Under Slurm, at the signal Slurm sends before the job's time limit (slurm.py): every
     `every` batches the ranks agree whether any got it (a one-number all-reduce); then all save
     last.ckpt, rank 0 requeues the job, and they wait for Slurm to end this run. The next run
-    resumes from that checkpoint, mid-epoch."""
+    resumes from that checkpoint, mid-epoch. A job that cannot be requeued trains on, and is not
+    asked again."""
 
     def __init__(self, ckpt_dir: Path, every: int = 10):
         self.ckpt_dir, self.every = ckpt_dir, every
+        self.gave_up = False  # the same on every rank: rank 0 broadcasts whether it requeued
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if (batch_idx + 1) % self.every:
+        if self.gave_up or (batch_idx + 1) % self.every:
             return
         asked = torch.tensor([float(slurm.requeue_asked())], device=pl_module.device)
         if float(trainer.strategy.reduce(asked, reduce_op="max")) == 0:
             return
         path = self.ckpt_dir / "last.ckpt"
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path)  # it ends in a barrier: rank 0 has written it
+        if self.requeue(trainer, path):
+            slurm.wait_for_the_requeue()
+        self.gave_up = True
+
+    @staticmethod
+    def requeue(trainer, path: Path) -> bool:
+        """Rank 0 requeues the job once every rank ends at Slurm's SIGTERM (slurm.py,
+        end_at_sigterm); whether it took. If not, SIGTERM's handler is back and training goes
+        on."""
+        handler = slurm.end_at_sigterm()
+        trainer.strategy.barrier("requeue")
         requeued = True
         if trainer.is_global_zero:
+            log.info("Slurm's time limit is near: saved %s at epoch %d, step %d; requeueing the "
+                     "job, which resumes from it", path, trainer.current_epoch, trainer.global_step)
             requeued = slurm.requeue_job()
-            log.info("Slurm's time limit is near: saved %s at epoch %d, step %d, and %s", path,
-                     trainer.current_epoch, trainer.global_step,
-                     "requeued the job, which resumes from it" if requeued else
-                     "could not requeue the job (submitted without --requeue?): training goes on")
+            if not requeued:
+                log.warning("could not requeue the job (submitted without --requeue?): training "
+                            "goes on")
         requeued = bool(trainer.strategy.broadcast(requeued))
-        if requeued:
-            slurm.wait_for_the_requeue()
+        if not requeued:
+            signal.signal(signal.SIGTERM, handler)
+        return requeued
 
 
 class NoiseScaleLog(Callback):
