@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ from snakemake.iocontainers import ResourceList
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-from imgclf import hardware, settings, slurm
+from imgclf import forecast, hardware, settings, slurm
 from slurm_cluster import (LOCAL, NODES, SPARE, SPARE_NODES, TRAIN_DIR, UPSTREAM, jobs_of,
                            rules_submitted, run_slurm, sacct, slurm_job_of, slurm_jobs_of)
 
@@ -111,7 +112,7 @@ class Tiny(L.LightningModule):
         self.layer = torch.nn.Linear(4, 1)
     def training_step(self, batch, i):
         if i == 0:
-            print("training", flush=True)
+            Path(sys.argv[1], f"training{self.global_rank}").touch()
         time.sleep(0.01)
         return self.layer(batch[0]).sum()
     def configure_optimizers(self):
@@ -141,26 +142,23 @@ def test_ranks_end_at_the_requeues_sigterm_or_train_on_when_it_is_refused(tmp_pa
     then ends both at once, though Lightning's SIGTERM handler was installed (its broadcast
     inside the handler aborted one rank and left the other waiting for the SIGKILL, KillWait
     later). A refused requeue is said, and training goes on to its end."""
-    import socket
-
     (tmp_path / "scontrol").write_text(SCONTROL)
     (tmp_path / "scontrol").chmod(0o755)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
            "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
            "SLURM_NNODES": "2", "SLURM_NODELIST": "localhost", "SLURM_LOCALID": "0",
-           "MASTER_PORT": str(port), "RANK_PIDS": str(tmp_path / "pids"), "SLURM_ANSWER": answer}
+           "MASTER_PORT": str(forecast.free_port()), "RANK_PIDS": str(tmp_path / "pids"), "SLURM_ANSWER": answer}
     ranks = [subprocess.Popen([sys.executable, "-c", REQUEUED_RANK, str(tmp_path)],
                               env={**env, "SLURM_PROCID": str(r), "SLURM_NODEID": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in (0, 1)]
     try:
         (tmp_path / "pids").write_text(" ".join(str(rank.pid) for rank in ranks))
-        for rank in ranks:
-            while (line := rank.stdout.readline()) not in ("training\n", ""):
-                pass
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"training{r}").exists() for r in (0, 1)):
+            assert all(rank.poll() is None for rank in ranks), [r.poll() for r in ranks]
+            assert time.monotonic() < deadline, "the ranks did not start training within 120 s"
+            time.sleep(0.1)
         for rank in ranks:
             rank.send_signal(signal.SIGUSR1)  # Slurm's, its lead before the time limit
         codes = [rank.wait(timeout=60) for rank in ranks]  # Slurm's KillWait: 30 s by default

@@ -125,7 +125,8 @@ def _rank_steps(rank: int, world: int, port: int, spec: dict, results) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now, for a process group's rank 0 to listen on."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -137,7 +138,7 @@ def _run_ranks(world: int, spec: dict) -> dict:
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    results, port = ctx.Queue(), _free_port()
+    results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank_steps, args=(r, world, port, spec, results))
              for r in range(world)]
     for p in procs:
