@@ -4,7 +4,7 @@ import sys
 
 from snakemake.utils import min_version
 
-from imgclf import settings, slurm
+from imgclf import settings, slurm, stage
 from imgclf.errors import UserError
 
 min_version("9.0")
@@ -15,7 +15,9 @@ configfile: "config/config.yaml"
 
 # A config mistake stops here with one sentence naming the key, not a traceback. Validation
 # also fills in the defaults, which live in the schema (workflow/schemas/config.schema.yaml).
+# So does an interpreter whose path Snakemake's `script:` cannot run (see the function).
 try:
+    stage.check_interpreter()
     settings.checked(settings.validate(config))
 except UserError as e:
     sys.exit(str(e))

@@ -21,6 +21,12 @@ pip_install() {
 }
 
 setup() {
+    # .venv's interpreter lies in this folder, and Snakemake runs its scripts with that path
+    # unquoted (snakemake#2645): refuse a path a shell would split before installing anything
+    if ! python3 -c 'import shlex, sys; sys.exit(shlex.quote(sys.argv[1]) != sys.argv[1])' "$PWD"; then
+        echo "run.sh: this checkout's path '$PWD' has a space or a shell character, which Snakemake cannot run scripts from (it does not quote the interpreter's path, snakemake#2645): clone or move it to a path without them." >&2
+        exit 1
+    fi
     if [ ! -x .venv/bin/snakemake ] || [ pyproject.toml -nt .venv/.installed ]; then
         python3 -m venv .venv
         pip_install --upgrade pip

@@ -6,33 +6,42 @@ tests of tests/test_slurm*.py share."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 
-from conftest import SNAKEMAKE, built_once, copy_workflow
+from conftest import REPO, SNAKEMAKE, built_once, copy_workflow
 
 MARK = "# throw-away cluster of tests/slurm/up.sh"
-NODES = ("imgclf-n1", "imgclf-n2")  # partition debug, the default
+NODES = ("imgclf-n1", "imgclf-n2")  # partition debug, the default: CPU nodes, no GPU
 # partition spare: two nodes no other test's job runs on, the second of which a test sets down
 SPARE, SPARE_NODES = "spare", ("imgclf-n3", "imgclf-n4")
+# partition gpu: 8 `a100` and 4 `a10g` per node, a p4 node's CPUs and memory; no job runs there
+GPU_PARTITION = "gpu"
 TARGETS = {"all", "train"}  # rules without an action: Snakemake finishes them itself
 # local rules: the training's settings file, and the report's key tables (a second each)
 LOCAL = TARGETS | {"train_settings", "report_table"}
 UPSTREAM = ("prepare_demo_data", "check_hydration", "benchmark_loader", "solve_memory", "lr_find")
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)\.")
-# The cluster as a hardware entry: its 2 nodes, one CPU rank on each (they share this machine's
-# cores, so 1 CPU per node keeps the rules' threads honest); a one-point loader grid, 2 short LR
+# The cluster as hardware entries: its 2 nodes, one CPU rank on each (they share this machine's
+# cores, so 1 CPU per node keeps the rules' threads honest), and one CPU rank on one node; a
+# one-point loader grid of 2 workers (a real plan's loader: fork-server workers), 2 short LR
 # range tests and a short demo training.
 CLUSTER_YAML = """\
 clusters:
   ci2x1: {gpus_per_node: 0, gpu_model: auto, gpu_memory_gb: auto, nodes: 2, cpus_per_node: 1,
           ram_gb: 4, cpu_processes: 1}
-loader: {decoders: [pil], workers: [0], prefetch_factors: [2], measure_baseline: false,
+  ci1x1: {gpus_per_node: 0, gpu_model: auto, gpu_memory_gb: auto, nodes: 1, cpus_per_node: 1,
+          ram_gb: 4, cpu_processes: 1}
+loader: {decoders: [pil], workers: [2], prefetch_factors: [2], measure_baseline: false,
          seconds_per_config: 0.3, windows: 2, warmup_batches: 1}
 lr_finder: {runs: 2, num_iter: 30, skip_start: 3, skip_end: 2}
 noise_scale: {steps: 4, accumulate: 2}
@@ -40,10 +49,12 @@ train: {epochs: 3, limit_train_batches: 6, limit_val_batches: 3}
 """
 
 
-def entry(*configfiles: str) -> list[str]:
-    """The options that select the cluster's entry (one --configfile: a second would replace
-    the first's list; --config: it replaces the profile's config block)."""
-    return ["--configfile", "ci2x1.yaml", *configfiles, "--config", "cluster=ci2x1"]
+def entry(*configfiles: str, cluster: str = "ci2x1") -> list[str]:
+    """The options that select a cluster entry (one --configfile: a second would replace the
+    first's list; --config: it replaces the profile's config block)."""
+    return ["--configfile", "ci2x1.yaml", *configfiles, "--config", f"cluster={cluster}"]
+
+
 TRAIN_DIR = "results/train/ci2x1"
 
 
@@ -71,11 +82,13 @@ def cluster():
         pytest.skip(why)
 
 
-def run_slurm(work: Path, *args: str, configfiles=(), timeout: float = 900) -> tuple[int, str]:
-    """Snakemake through profiles/slurm for the 2-node entry, Slurm logs of successful jobs
-    kept; returns the exit code and stdout+stderr (also kept in run<N>.txt)."""
+def run_slurm(work: Path, *args: str, configfiles=(), timeout: float = 900,
+              cluster: str = "ci2x1") -> tuple[int, str]:
+    """Snakemake through profiles/slurm for the 2-node entry (or `cluster`), Slurm logs of
+    successful jobs kept; returns the exit code and stdout+stderr (also kept in run<N>.txt)."""
     res = subprocess.run([SNAKEMAKE, "--profile", "profiles/slurm", "--slurm-keep-successful-logs",
-                          *args, *entry(*configfiles)], cwd=work, stdout=subprocess.PIPE,
+                          *args, *entry(*configfiles, cluster=cluster)], cwd=work,
+                         stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
     (work / f"run{len(list(work.glob('run*.txt')))}.txt").write_text(res.stdout)
     return res.returncode, res.stdout
@@ -152,3 +165,72 @@ def slurm_demo(cluster, tmp_path_factory):
 
     work = built_once(tmp_path_factory, "slurm_demo", build)
     return work, (work / "run0.txt").read_text()
+
+
+# --- the sbatch line of a job, as the plugin builds it ------------------------------------------
+
+PROFILE = yaml.safe_load((REPO / "profiles/slurm/config.yaml").read_text())
+
+
+def with_profile(rule: str, resources: dict) -> dict:
+    """A job's resources as profiles/slurm completes them: its default resources below the
+    rule's own, its set-resources for `rule` above them (Snakemake evaluates a string resource
+    of a profile as a Python expression)."""
+    def value(v):
+        return ast.literal_eval(v) if isinstance(v, str) and v[:1] in "'\"" else v
+
+    defaults = dict(item.split("=", 1) for item in PROFILE["default-resources"])
+    defaults = {k: int(v) if v.isdigit() else v for k, v in defaults.items()}
+    overrides = {k: value(v) for k, v in PROFILE["set-resources"].get(rule, {}).items()}
+    return {**defaults, **resources, **overrides}
+
+
+def submit_line(resources: dict, threads: int = 2, partition: str = "debug",
+                workdir: str = "/w") -> str:
+    """The sbatch command the Slurm plugin builds from a job's resources (None: unset), after
+    its check of the job's slurm_extra."""
+    from snakemake.iocontainers import ResourceList
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+    from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
+
+    res = {k: v for k, v in resources.items() if v is not None}
+    job = SimpleNamespace(resources=ResourceList(fromdict=res), threads=threads)
+    validate_slurm_extra(job)  # raises for an option the plugin manages itself
+    params = {"run_uuid": "run", "slurm_logfile": "log", "comment_str": "rule",
+              "account": "", "partition": f" -p {partition}", "workdir": workdir}
+    return get_submit_command(job, params) + set_gres_string(job)
+
+
+def jobs_under_slurm(work: Path, entry: str, *targets: str, configfiles=()) -> list[dict]:
+    """Each job a dry run plans for hardware entry `entry` (rule, threads, resources), with the
+    resources its rules ask for under Slurm: a dry run of the Snakemake inside a Slurm job (its
+    remote mode, SLURM_JOB_ID set), where slurm.on_slurm holds as in the Snakemake that submits
+    the job; a plain dry run evaluates the rules for this machine. Resources computed from an
+    input that does not exist yet (the training's time, from its forecast) are left out."""
+    res = subprocess.run([SNAKEMAKE, "-n", "--mode", "remote", *targets,
+                          *(a for f in configfiles for a in ("--configfile", f)),
+                          "--config", f"cluster={entry}"], cwd=work, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "SLURM_JOB_ID": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    jobs = []
+    for line in res.stdout.splitlines():
+        line = line.strip()
+        if m := re.fullmatch(r"(?:rule|checkpoint) (\w+):", line):
+            jobs.append({"rule": m.group(1), "threads": 1, "resources": {}})
+        elif line.startswith("threads: ") and jobs:
+            jobs[-1]["threads"] = int(line.split()[1])
+        elif line.startswith("resources: ") and jobs:
+            pairs = (item.split("=", 1) for item in line[len("resources: "):].split(", "))
+            jobs[-1]["resources"] = {k: int(v) if v.isdigit() else v for k, v in pairs
+                                     if v != "<TBD>" and k != "tmpdir"}
+    return jobs
+
+
+def sbatch_test_only(line: str, workdir: Path) -> subprocess.CompletedProcess:
+    """What the cluster's slurmctld says of an sbatch line without running it (--test-only):
+    exit 0 and the start it would get, or the reason it refuses the request."""
+    words = shlex.split(line)
+    assert words[0] == "sbatch", line
+    return subprocess.run(["sbatch", "--test-only", "--wrap=true", *words[1:]], cwd=workdir,
+                          capture_output=True, text=True, timeout=60)

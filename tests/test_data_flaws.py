@@ -390,14 +390,16 @@ def every_flaw(root: Path) -> tuple[dict[str, Path], dict[str, str], list[str]]:
 @pytest.fixture(scope="module")
 def every_flaw_run(tmp_path_factory, demo_root) -> dict:
     """Every flaw at once, through `snakemake` with no target (check, loader benchmark, memory
-    solve, LR finder, training, evaluation, report tables), in a workflow copy of its own: the
-    run both tests below read."""
+    solve, LR finder, training, evaluation, report tables), in a workflow copy of its own, from
+    a data root whose path has a space and an apostrophe: the run both tests below read."""
     base = tmp_path_factory.mktemp("every_flaw")
     work = copy_workflow(base / "wf")
-    root = flawed_copy(demo_root, base / "as_it_arrived")
+    # a root with a space and an apostrophe, as users name folders
+    root = flawed_copy(demo_root, base / "Bob's data as it arrived")
     flaws, listed, trained = every_flaw(root)
     (work / "data.yaml").write_text(
-        f"dataset: {{root: {root}}}\nhydration: {{max_bad_fraction: 0.01}}\n" + QUICK)
+        f"dataset: {{root: {json.dumps(str(root))}}}\nhydration: {{max_bad_fraction: 0.01}}\n"
+        + QUICK)
     res = snakemake(work, "--configfile", "data.yaml", timeout=1500)
     return {"work": work, "flaws": flaws, "listed": listed, "trained": trained,
             "returncode": res.returncode, "out": res.stdout + res.stderr}

@@ -156,7 +156,24 @@ def test_cpu_ranks_are_measured_alone_and_side_by_side():
     m = json.loads(res.stdout.splitlines()[-1])
     assert m["ranks"] == 2 and m["threads_per_rank"] == max(1, hardware.usable_cpus() // 2)
     assert 0 < m["step_s_alone"] and 0 < m["eval_s_together"] < m["step_s_together"]
-    assert 0 < m["efficiency"] <= 1
+    assert m["efficiency"] == min(1.0, m["step_s_alone"] / m["step_s_together"])
+
+
+def test_cpu_ranks_are_forecast_at_their_side_by_side_step(tmp_path, monkeypatch):
+    """The model's arithmetic on measured inputs: a rank alone steps in 1.0 s, two side by side
+    in 1.6 s each, so the efficiency is 1.0 / 1.6 = 0.625, applied once to the step alone: a
+    step of the training takes 1.6 s (2 ranks x 64 images / 1.6 s = 80 img/s), not 2.56 s."""
+    measured = {"step_s_alone": 1.0, "step_s_together": 1.6, "eval_s_together": 0.5}
+    monkeypatch.setattr(forecast, "_run_ranks", lambda world, spec: {
+        "step_s": measured["step_s_alone" if world == 1 else "step_s_together"],
+        "eval_s": measured["eval_s_together"]})
+    cpu = {**G5, "name": "local", "gpus_per_node": 0, "accelerator": "cpu", "devices_per_node": 2}
+    runs = [lr_run(device="cpu", name="cpu (this machine)")]
+    f = forecast.make(runs, {"choice": {"images_per_s": 1e6}}, plan(4, devices=2), cpu, MODEL,
+                      TRAIN, *indexes(tmp_path))
+    assert f["scaling_efficiency"]["value"] == pytest.approx(0.625)
+    assert f["compute_bound_images_per_s"] == pytest.approx(2 * 64 / 1.6, abs=0.1)
+    assert f["epoch_train_s"] == pytest.approx(10 * 1.6, abs=0.01)  # 1,280 / 2 / 64 batches
 
 
 def test_training_records_the_forecast_against_what_it_took():
@@ -186,3 +203,29 @@ def test_which_bound_held_in_training(workers, wait, bound):
     f = {"forecast_for_entry": True, "total_s": 2.0, "epochs": 1, "images_per_s": 50.0,
          "bound": "compute"}
     assert after.against_forecast(f, Epochs, workers)["actual"]["bound"] == bound
+
+
+def test_the_forecast_says_how_the_timed_steps_differ_from_training(tmp_path):
+    """The LR runs time their steps with training's cuDNN autotuning but never compiled: a
+    training that compiles gets a forecast that says so, not one that pretends."""
+    eager = forecast.make([lr_run()], {"choice": {"images_per_s": 1e6}}, plan(4), G5, MODEL,
+                          TRAIN, *indexes(tmp_path))
+    assert eager["forecast_for_entry"] and "unlike_training" not in eager["step_timing"]
+    compiled = forecast.make([lr_run()], {"choice": {"images_per_s": 1e6}}, plan(4), G5, MODEL,
+                             {**TRAIN, "compile": True}, *indexes(tmp_path))
+    assert "`train.compile`" in compiled["step_timing"]["unlike_training"]
+
+
+MODEL = {"arch": "resnet18", "recipe": "demo", "resolution": 16, "precision": "32",
+         "channels_last": False}
+TRAIN = {"epochs": 1, "limit_train_batches": None, "limit_val_batches": None, "compile": False}
+
+
+def indexes(folder) -> tuple[str, str]:
+    """File indexes of 1,280 training and 128 validation images of one class."""
+    from imgclf import index
+
+    for split, n in (("train", 1280), ("val", 128)):
+        index.write(folder / f"{split}.tsv", "/data", split, ["a"],
+                    {"a": [(f"{i}.jpg", 1) for i in range(n)]}, max_image_pixels=None)
+    return str(folder / "train.tsv"), str(folder / "val.tsv")

@@ -143,6 +143,31 @@ def assert_one_sentence_error(res, needles):
 
 
 @pytest.mark.slow
+def test_a_checkout_under_a_path_with_a_space_is_refused_in_one_sentence(tmp_path):
+    """A checkout under "my work/", as on a Mac or a cloud drive: Snakemake runs `script:` rules
+    with the interpreter's path unquoted (snakemake#2645), so a real run would fail at its first
+    rule with "No such file or directory". Snakemake stops before any job, and run.sh before
+    it installs anything, each with one sentence."""
+    import sys
+
+    spaced = tmp_path / "my work"
+    spaced.mkdir()
+    (spaced / ".venv").symlink_to(sys.prefix)  # this environment, at a path with a space
+    work = copy_workflow(spaced / "wf")
+    res = subprocess.run([str(spaced / ".venv/bin/python"), "-m", "snakemake", "--cores", "2"],
+                         cwd=work, capture_output=True, text=True, timeout=300)
+    assert_one_sentence_error(res, [str(spaced / ".venv/bin/python"), "snakemake#2645",
+                                    "without them"])
+    assert not (work / "results").exists()  # no job ran
+    shutil.copy2(REPO / "run.sh", spaced / "run.sh")
+    res = subprocess.run(["./run.sh", "setup"], cwd=spaced, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 1 and (spaced / ".venv").is_symlink()  # not replaced by a venv
+    sentence = res.stderr.strip().removeprefix("run.sh: ")
+    assert one_sentence(sentence) and str(spaced) in sentence and "snakemake#2645" in sentence
+
+
+@pytest.mark.slow
 def test_every_profile_resolves_with_the_workflow_profile(tmp_path):
     """profiles/default is loaded with every invocation and overrides a --profile's values, so
     it holds only what is right under every profile (local cores); each profile then plans as

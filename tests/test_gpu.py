@@ -2,13 +2,16 @@
 `memory.cuda_step`, the out-of-memory back-off, probes that inherit nothing from a failed one),
 and one-GPU smoke runs of the LR finder, training and evaluation in 16-mixed with channels_last,
 with and without torch.compile, each through its stage's own entry point in a fresh process (as
-the workflow runs it: the process claims its GPU before CUDA starts). Skipped without CUDA; run
-them with `pytest -m gpu` on a GPU machine."""
+the workflow runs it: the process claims its GPU before CUDA starts). A claim made in the pytest
+process (the measured solve's) is undone after its test, so that no later process inherits it
+instead of claiming its own. Skipped without CUDA; run them with `pytest -m gpu` on a GPU
+machine."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -38,7 +41,7 @@ def this_gpu_entry() -> dict:
             "devices_per_node": 1, "nodes": 1, "cpus_per_node": 16, "ram_gb": 64}
 
 
-def test_measured_solve_of_resnet50_fits_its_budget_and_verifies():
+def test_measured_solve_of_resnet50_fits_its_budget_and_verifies(claims_undone):
     config = settings.load()
     hw = this_gpu_entry()
     r = memory.solve(config["memory"] | {"mode": "measure"}, RESNET50_AMP, hw,
@@ -108,14 +111,20 @@ print(json.dumps({k: v for k, v in run.items() if k != "history"} | {
 
 
 def test_lr_finder_on_one_gpu_in_16_mixed_with_channels_last(demo_root):
+    import time
+
+    from imgclf import devices
+
     hw = {k: one_gpu_entry()[k] for k in settings.DEVICE_KEYS}
+    assert devices.CLAIM_ENV not in os.environ  # nothing for the run to inherit
+    started = time.time()
     res = subprocess.run([sys.executable, "-c", LR_FIND, str(demo_root), json.dumps(hw)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     run = json.loads(res.stdout.strip().splitlines()[-1])
     assert run["device"] == "cuda:0" and run["precision"] == "16-mixed"
     assert run["iterations"] == 10 and run["finite"] >= 5  # the low-LR start never diverges
-    assert len(run["gpu"]) == 1  # the run claimed the GPU it used
+    assert len(run["gpu"]) == 1 and run["gpu"][0]["claimed_at"] >= started  # its own claim
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])

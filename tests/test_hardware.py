@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import psutil
 import pytest
@@ -142,6 +145,29 @@ def test_run_sh_installs_a_build_that_fits_the_nodes_gpus_and_driver(nvidia_smi)
     rc, url, _ = run_sh_choice(nvidia_smi, [V100], "580.65.06",
                                {"IMGCLF_TORCH_INDEX": "default"})
     assert (rc, url) == (0, "")
+
+
+@pytest.mark.slow
+def test_an_environment_built_elsewhere_gets_the_build_its_hardware_needs(nvidia_smi):
+    """A login node without GPUs builds the environment of p3's V100 nodes: named by entry or
+    by model, the CUDA 12.6 build; g5's A10G the default one; a name it does not know, one
+    sentence."""
+    cu126 = "https://download.pytorch.org/whl/cu126"
+    for target in ("p3", "V100", "Tesla V100-SXM2-32GB"):
+        rc, url, why = run_sh_choice(nvidia_smi, [], None, {"IMGCLF_TORCH_FOR": target})
+        assert (rc, url) == (0, cu126) and "sm_70" in why, (target, why)
+    assert run_sh_choice(nvidia_smi, [V100], "580.65.06", {"IMGCLF_TORCH_FOR": "g5"})[:2] \
+        == (0, "")  # the entry's hardware, not this machine's
+    rc, url, why = run_sh_choice(nvidia_smi, [], None, {"IMGCLF_TORCH_FOR": "p9"})
+    assert rc == 1 and url == "" and one_sentence(why.removeprefix("run.sh: ")), why
+    rc, url, _ = run_sh_choice(nvidia_smi, [], None, {"IMGCLF_TORCH_FOR": "p3",
+                                                      "IMGCLF_TORCH_INDEX": "cu128"})
+    assert url == "https://download.pytorch.org/whl/cu128"  # the build, named, wins
+    from imgclf import cuda_builds
+
+    config = settings.load()  # the stdlib reading of config/config.yaml agrees with YAML's
+    assert cuda_builds.entry_gpu_models((REPO / "config/config.yaml").read_text()) == {
+        name: entry["gpu_model"] for name, entry in config["clusters"].items()}
 
 
 def test_run_sh_takes_its_choice_from_cuda_builds():
@@ -346,6 +372,120 @@ def test_a_gpu_is_free_when_its_job_ends_though_the_job_forked(nvidia_smi, tmp_p
     assert json.loads(nxt.stdout.splitlines()[0])["waited"] == 0
 
 
+# A second Unix user: nobody's uid, with CAP_DAC_READ_SEARCH so that it can read this machine's
+# interpreter and the checkout (under /root here), and no right to write what it does not own.
+SECOND_USER = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+               "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+
+
+@pytest.mark.slow
+def test_a_second_user_under_umask_022_claims_gpus_beside_the_first(nvidia_smi, tmp_path):
+    """Two users share a machine's GPUs, each with umask 022, as on a shared workstation or a
+    node without a private /tmp: the first holds GPU 0 and made the lock folder and its file,
+    the second claims the free GPU at once, then, asking for all three, waits for GPU 0 and gets
+    it when the first job ends (it must open the first user's lock file for writing)."""
+    import subprocess
+    import sys
+
+    if os.getuid() != 0:
+        pytest.skip("starts a second user, which takes root")
+    shared = Path(tempfile.mkdtemp(prefix="imgclf-users-"))  # a /tmp of their own for both
+    try:
+        shared.chmod(0o1777)
+        spec = shared / "gpus.json"
+        spec.write_text(nvidia_smi.read_text())
+        spec.chmod(0o644)
+        env = {**os.environ, "TMPDIR": str(shared), "NVIDIA_SMI_STUB": str(spec)}
+        umask = "import os; os.umask(0o022)\n"
+
+        def job(count, user=()):
+            return subprocess.Popen([*user, sys.executable, "-c", umask + CLAIM, str(count)],
+                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+
+        first = job(1)
+        held = json.loads(first.stdout.readline() or first.stderr.read())
+        second = job(1, SECOND_USER)
+        got = json.loads(second.stdout.readline() or second.stderr.read())
+        second.stdin.close()
+        assert second.wait(timeout=30) == 0
+        third = job(3, SECOND_USER)
+        while "test job: waiting" not in (note := third.stderr.readline()):
+            assert note, third.stdout.read()
+        first.stdin.close()
+        assert first.wait(timeout=30) == 0
+        all_three = json.loads(third.stdout.readline() or third.stderr.read())
+        third.stdin.close()
+        assert third.wait(timeout=30) == 0
+    finally:
+        for proc in ("first", "second", "third"):
+            if proc in locals():
+                locals()[proc].kill()
+        shutil.rmtree(shared, ignore_errors=True)
+    uuids = [g["uuid"] for g in GPUS]
+    assert held["claimed"] == uuids[:1] and got["claimed"] == uuids[1:2]
+    assert all_three["claimed"] == uuids and all_three["waited"] > 0
+
+
+@pytest.mark.slow
+def test_a_lock_file_another_user_left_read_only_is_one_sentence(nvidia_smi):
+    """Lock files a first user left readable only (an older version made them under umask
+    022): a second user's claim stops in one sentence naming the file and the fix, not in a
+    PermissionError."""
+    import subprocess
+    import sys
+
+    if os.getuid() != 0:
+        pytest.skip("starts a second user, which takes root")
+    shared = Path(tempfile.mkdtemp(prefix="imgclf-users-"))
+    try:
+        shared.chmod(0o1777)
+        (shared / "imgclf-gpu-locks").mkdir(mode=0o1777)
+        for gpu in GPUS:
+            (shared / "imgclf-gpu-locks" / f"{gpu['uuid']}.lock").touch(mode=0o644)
+        spec = shared / "gpus.json"
+        spec.write_text(nvidia_smi.read_text())
+        res = subprocess.run([*SECOND_USER, sys.executable, "-c", CLAIM, "1"], text=True,
+                             capture_output=True, timeout=60,
+                             env={**os.environ, "TMPDIR": str(shared), "NVIDIA_SMI_STUB": str(spec)})
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode != 0 and "UserError: The GPU lock file " in last, res.stderr
+    sentence = last.split("UserError: ", 1)[1]
+    assert one_sentence(sentence) and "`chmod 666 " in sentence, sentence
+
+
+def test_a_node_of_mixed_gpus_runs_each_stage_on_its_entrys_gpu(nvidia_smi, claims_undone,
+                                                               cuda_device, monkeypatch):
+    """On a node of two A10G and an A100, the measured memory solve of an A100 entry claims
+    the A100 (not the first free GPU), and so does every stage that claims one for it; an
+    entry whose GPU the node lacks takes the first free one, as before."""
+    import torch
+
+    from imgclf import devices
+    from imgclf.memory.measure import cuda_device as measured_device
+
+    class ReachedCuda(Exception):
+        pass
+
+    def reached_cuda():
+        raise ReachedCuda(os.environ["CUDA_VISIBLE_DEVICES"])
+
+    cuda_device("NVIDIA A100-SXM4-40GB", (8, 0))
+    monkeypatch.setattr(torch.cuda, "init", reached_cuda)
+    with pytest.raises(ReachedCuda) as visible:
+        measured_device(entry("p4"), "16-mixed")
+    assert str(visible.value) == A100_UUID
+    # as the next jobs (in this process, which may lock again what it holds): p3's V100 is not
+    # here, and its plan runs on the CPU or where the forecast says it is the wrong GPU
+    for name, uuid in (("g5", GPUS[0]["uuid"]), ("p3", GPUS[0]["uuid"])):
+        monkeypatch.delenv(devices.CLAIM_ENV)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+        claimed = devices.claim_gpus(1, "test job", entry(name))
+        assert [g["uuid"] for g in claimed] == [uuid], name
+
+
 def test_a_job_needing_more_gpus_than_the_machine_shows_is_one_sentence(nvidia_smi):
     from imgclf import devices
 
@@ -399,6 +539,36 @@ def test_the_measured_solve_claims_its_gpu_and_checks_the_build_first(solve_clai
         measure_on(entry("p3"), SMALL_16)
     assert one_sentence(str(err.value)) and "sm_70" in str(err.value)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == GPUS[0]["uuid"]  # claimed before that
+
+
+def claim_then_check(stage: str, demo_root):
+    """Start `stage` of p3 (one device of it: training too) until it checks the torch build."""
+    from imgclf import evaluate, lr_find, noise_scale, train
+    from imgclf.plan import Plan
+
+    p3 = {**entry("p3"), "gpus_per_node": 1, "devices_per_node": 1}
+    model = {**SMALL_16, "precision": "32", "resolution": 16}
+    plan = Plan(path="m.json", cluster="p3", per_device_batch=8, accumulate_grad_batches=1,
+                devices_per_node=1, nodes=1, num_workers=0, prefetch_factor=None,
+                decoder="pil")
+    cfg = {**settings.section({}, "lr_finder"), **settings.section({}, "noise_scale")}
+    return {"LR run": lambda: lr_find.find(str(demo_root), model, p3, plan, cfg, 0),
+            "noise scale": lambda: noise_scale.measure(str(demo_root), model, p3, plan, None,
+                                                       cfg),
+            "evaluation": lambda: evaluate.pick_device(p3, "32"),
+            "training": lambda: train.check_hardware(p3, "32")}[stage]()
+
+
+@pytest.mark.parametrize("stage", ["LR run", "noise scale", "evaluation", "training"])
+def test_each_gpu_stage_claims_its_gpu_before_it_checks_the_build(stage, solve_claims_here,
+                                                                  cuda_device, demo_root):
+    """As the memory solve: a V100 under the CUDA 13 build stops each stage in the build's
+    sentence, and by then the stage has claimed its GPU, so that CUDA, which starts with the
+    check, sees only that one (checked first, every LR run on a node would share GPU 0)."""
+    cuda_device("Tesla V100-SXM2-16GB", (7, 0))
+    with pytest.raises(hardware.UserError, match="sm_70"):
+        claim_then_check(stage, demo_root)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == GPUS[0]["uuid"]
 
 
 def test_the_memory_solve_refuses_emulated_bf16(solve_claims_here, cuda_device):

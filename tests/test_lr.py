@@ -217,6 +217,9 @@ def test_range_test_sees_the_recipes_mixed_batches(demo_root):
     assert all(0 < w < s for s, w in zip(timing["step_seconds"], timing["data_wait_seconds"]))
     assert len(timing["eval_seconds"]) == lr_find.EVAL_STEPS
     assert timing["device_name"].startswith("cpu (")
+    # with training's cuDNN autotuning (none on the CPU), never compiled: what the forecast says
+    assert torch.backends.cudnn.benchmark and not timing["cudnn_benchmark"]
+    assert timing["compiled"] is False
     plain = lr_find._batches(loader, None, cpu, [])
     assert next(plain)[1].dtype == torch.int64
     # the mixer works on the batch where the model is, after the copy (meta: a device that

@@ -105,17 +105,33 @@ def test_activation_count_of_a_linear_stack_matches_the_hand_count():
 def test_estimate_matches_the_fake_tensor_count(arch, precision):
     """The estimator's tensor part (every component but the allowances for what no tensor
     count sees: CUDA context, workspaces, fragmentation) against PyTorch's own count of the
-    tensors a training step holds at its peak, at three batch sizes: within 5 %."""
+    tensors a training step holds at its peak, at three batch sizes: within the documented
+    accuracy (docs/benchmarks.md: at most 1 % under, never over; here 1.5 % and 0.5 %), where a
+    component left out, such as the input batch (2 % of ResNet-18 at batch 16), shows."""
+    missing = private_api_missing()
+    if missing:
+        pytest.skip(f"this torch lacks {missing}, a private API the fake-tensor count uses")
     prof = memory.model_profile(arch, 1000, 224, precision, False, "goyal")
     allowances = {"fragmentation": 0.0, "cuda_context_gb": 0.0, "workspace_gb": 0.0}
     for batch in (16, 64, 128):
         parts = memory.breakdown(batch, prof, resolution=224, state_floats=1, world=1,
                                  memory=allowances, gpu=False, step_copies=1)
+        fake = memory.fake_tensor_peak(arch, batch, precision, "goyal")
+        assert -0.015 < sum(parts.values()) / fake - 1 < 0.005, (batch, parts, fake)
+
+
+def private_api_missing() -> str | None:
+    """The first private torch API that memory.fake_tensor_peak uses and this torch lacks."""
+    import importlib
+
+    for module, name in (("torch._subclasses.fake_tensor", "FakeTensorMode"),
+                         ("torch.distributed._tools.mem_tracker", "MemTracker"),
+                         ("torch", "_amp_foreach_non_finite_check_and_unscale_")):
         try:
-            fake = memory.fake_tensor_peak(arch, batch, precision, "goyal")
-        except (ImportError, AttributeError) as e:
-            pytest.skip(f"this torch lacks the private API the fake-tensor count uses: {e}")
-        assert abs(sum(parts.values()) / fake - 1) < 0.05, (batch, parts, fake)
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return f"{module}.{name}"
+    return None
 
 
 @pytest.mark.slow
@@ -225,6 +241,11 @@ LIBRARY_ALLOCATION_FAILURES = {
     "NCCL": "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with "
             "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nLast error:\nCuda failure "
             "'out of memory'",
+    # cuDNN 9's own status; torch's words for a convolution none of whose plans could allocate
+    # its workspace; cuBLAS failing to create its handle under memory pressure
+    "cuDNN 9": "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+    "cuDNN plans": "FIND was unable to find an engine to execute this computation",
+    "cuBLAS handle": "CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`",
 }
 
 

@@ -110,6 +110,11 @@ CONFIG_CASES = {
     "train": ("train: {epochs: 3}", SETTINGS | FORECAST),
     "train: a key the forecast does not read": ("train: {save_top_k: 2}", SETTINGS),
     "train: the noise scale's logging switch": ("train: {noise_scale: false}", SETTINGS),
+    "train: the collective timeout": ("train: {collective_timeout_minutes: 60}", SETTINGS),
+    # the LR runs time their steps with training's autotuning; the forecast says when training
+    # compiles, which the runs' timing does not
+    "train: cuDNN autotuning": ("train: {cudnn_benchmark: false}", LR | SETTINGS),
+    "train: compile": ("train: {compile: true}", SETTINGS | FORECAST),
     "noise_scale": ("noise_scale: {steps: 5}", NOISE),
     # the two at once (Snakemake's `ancient` would otherwise hide training's own change)
     "train and the price": ("train: {save_top_k: 2}\nclusters: {local: {price_per_hour: 4.5}}",

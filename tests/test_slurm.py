@@ -1,15 +1,15 @@
 """Slurm: the training job's allocation and srun line, and the sentences for a failed step or a
 job that could not start (any machine); then the demo pipeline through profiles/slurm on the
 real throw-away multi-node cluster of tests/slurm/up.sh (only when it is up: slurm_cluster.py):
-every job an sbatch job whose states come from slurmdbd's accounting, the LR-finder runs spread
-over the nodes, one srun step of 2 nodes x 1 CPU rank, a failed job reported with its log (the
-squeue status path), and a node down while the training is queued. A rank killed on one node
-and a cancelled training: test_slurm_resume.py; a training longer than the partition's time
-limit: test_slurm_requeue.py."""
+every job an sbatch job whose states come from slurmdbd's accounting, the LR-finder runs one-node
+jobs without a GPU on the CPU partition, one srun step of 2 nodes x 1 CPU rank, a failed job
+reported with its log (the squeue status path), and a node down while the training is queued.
+A rank killed on one node and a cancelled training: test_slurm_resume.py; a training longer than
+the partition's time limit: test_slurm_requeue.py; the requests of every job for entries of 1 to
+16 GPUs and of CPU ranks, and a one-task training: test_slurm_shapes.py."""
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import json
 import os
@@ -23,13 +23,11 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from snakemake.iocontainers import ResourceList
-from snakemake_executor_plugin_slurm.submit_string import get_submit_command
-from snakemake_executor_plugin_slurm.utils import set_gres_string
 
 from imgclf import forecast, hardware, settings, slurm
 from slurm_cluster import (LOCAL, NODES, SPARE, SPARE_NODES, TRAIN_DIR, UPSTREAM, jobs_of,
-                           rules_submitted, run_slurm, sacct, slurm_job_of, slurm_jobs_of)
+                           rules_submitted, run_slurm, sacct, slurm_job_of,
+                           slurm_jobs_of, submit_line, with_profile)
 
 P4X2 = {"name": "p4x2", "gpus_per_node": 8, "gpu_model": "A100", "gpu_memory_gb": 40,
         "nodes": 2, "cpus_per_node": 96, "ram_gb": 1152, "cpu_processes": 2,
@@ -39,34 +37,20 @@ CPU2 = {"name": "local", "gpus_per_node": 0, "gpu_model": "none", "gpu_memory_gb
         "accelerator": "cpu", "devices_per_node": 2, "slurm_gpu_request": "gres"}
 
 
-PROFILE = Path(__file__).resolve().parents[1] / "profiles/slurm/config.yaml"
-
-
 def sbatch_line(cluster: dict, resources: dict | None = None, rule: str = "train_model") -> str:
     """The sbatch command the Slurm plugin builds from a job's resources (by default the
-    training job's) and the profile's set-resources for its rule, after the plugin's check of
-    its slurm_extra."""
-    from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
-
+    training job's), completed by profiles/slurm."""
     if resources is None:
         resources = slurm.train_resources(cluster, True)
-    res = {k: v for k, v in resources.items() if v is not None}
-    profile = yaml.safe_load(PROFILE.read_text())["set-resources"].get(rule, {})
-    # Snakemake evaluates a string resource of a profile as a Python expression
-    res.update({k: ast.literal_eval(v) if isinstance(v, str) else v for k, v in profile.items()})
-    job = SimpleNamespace(resources=ResourceList(fromdict=res), threads=2)
-    validate_slurm_extra(job)  # raises for an option the plugin manages itself
-    params = {"run_uuid": "run", "slurm_logfile": "log", "comment_str": "rule_train_model",
-              "account": "", "partition": " -p debug", "workdir": "/w"}
-    return get_submit_command(job, params) + set_gres_string(job)
+    return submit_line(with_profile(rule, resources))
 
 
 # --- the layout (no cluster needed) ------------------------------------------------------------
 
 def test_p4_on_two_nodes_asks_for_one_task_per_gpu():
     r = slurm.train_resources(P4X2, True)
-    assert r["mpi"] == (f"{slurm.STEP_RUNNER} srun --nodes=2 --ntasks-per-node=8 "
-                        "--cpus-per-task=12 --kill-on-bad-exit=1")
+    assert r["launch"] == r["mpi"] == (f"{slurm.STEP_RUNNER} srun --nodes=2 --ntasks-per-node=8 "
+                                       "--cpus-per-task=12 --kill-on-bad-exit=1")
     assert (r["nodes"], r["tasks_per_node"], r["tasks"], r["gres"]) == (2, 8, None, "gpu:a100:8")
     assert r["gpu"] is None and r["tasks_per_gpu"] == 0 and r["cpus_per_task"] == 12
     # 90 % of the node's 1152 GB, in Slurm's MB of 2**20 bytes
@@ -90,6 +74,36 @@ def test_a_rank_ignores_the_requeue_signal_once_it_exits():
                          env={**os.environ, "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"},
                          timeout=60)
     assert res.stdout.split() == ["note", "True"], res.stdout + res.stderr
+
+
+# A training rank's loader of fork-server workers, as a real plan has it; Slurm's requeue signal
+# then reaches the rank and every process of the job step, as slurmstepd sends it.
+SIGNALLED_LOADER = """
+import signal, time
+import psutil, torch
+from torch.utils.data import TensorDataset
+from imgclf import data, slurm
+slurm.catch_requeue_signal()
+batches = iter(data.loader(TensorDataset(torch.arange(64.0)), 4, 2, 2, shuffle=False,
+                           forkserver_preload=()))
+next(batches), next(batches)
+me = psutil.Process()
+for process in [me, *me.children(recursive=True)]:
+    process.send_signal(signal.SIGUSR1)
+time.sleep(0.5)
+print(2 + sum(1 for _ in batches), slurm.requeue_asked())
+"""
+
+
+@pytest.mark.slow
+def test_the_requeue_signal_leaves_a_ranks_fork_server_workers_loading():
+    """Slurm sends the requeue signal to every process of the step: the fork server and its
+    workers, started with exec (which resets the rank's handler to the default action, ending
+    the process), must not die from it, or the rank's next batch fails instead of requeueing."""
+    res = subprocess.run([sys.executable, "-c", SIGNALLED_LOADER], capture_output=True,
+                         text=True, env={**os.environ, "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"},
+                         timeout=120)
+    assert res.stdout.split() == ["16", "True"], res.stdout + res.stderr[-3000:]
 
 
 # Two training ranks as srun starts them (its variables; one rank per "node"), with the requeue
@@ -176,6 +190,33 @@ def test_ranks_end_at_the_requeues_sigterm_or_train_on_when_it_is_refused(tmp_pa
         assert codes == [-signal.SIGTERM] * 2, out
 
 
+def test_the_requeue_check_is_one_all_reduce_without_a_barrier(tmp_path, monkeypatch):
+    """Every 10 batches the ranks agree whether Slurm's signal came: one all-reduce of one
+    number. Lightning's strategy.reduce would run a barrier first, which under NCCL waits for
+    every kernel queued on the GPU."""
+    import torch
+    import torch.distributed as dist
+
+    from imgclf.train.callbacks import RequeueAtTimeLimit
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        calls, all_reduce = [], dist.all_reduce
+        monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: calls.append("barrier"))
+        monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: (
+            calls.append("all_reduce"), all_reduce(tensor, *args, **kwargs))[1])
+        trainer = SimpleNamespace(strategy=SimpleNamespace(
+            reduce=lambda *args, **kwargs: calls.append("strategy.reduce")))
+        check = RequeueAtTimeLimit(tmp_path)
+        for batch in range(30):
+            check.on_train_batch_end(trainer, SimpleNamespace(device=torch.device("cpu")),
+                                     None, None, batch)
+    finally:
+        dist.destroy_process_group()
+    assert calls == ["all_reduce"] * 3
+
+
 def test_training_asks_for_its_forecast_time_and_requeues_at_the_partition_limit(tmp_path):
     forecast = tmp_path / "forecast.json"
     p4 = {**P4X2, "slurm_time_limit_minutes": 2880}
@@ -208,17 +249,26 @@ def test_training_asks_for_its_forecast_time_and_requeues_at_the_partition_limit
 
 
 def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_takes_one_srun_task():
-    assert slurm.train_resources(CPU2, True)["mpi"].startswith(
+    assert slurm.train_resources(CPU2, True)["launch"].startswith(
         f"{slurm.STEP_RUNNER} srun --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 ")
     line = sbatch_line(CPU2)
     assert "--ntasks-per-node=2" in line and "--cpus-per-task=1" in line, line
     assert "gpu" not in line, line
-    one = {**P4X2, "nodes": 1, "gpus_per_node": 1, "devices_per_node": 1}
-    r = slurm.train_resources(one, True)
-    assert r["tasks"] is None and r["tasks_per_node"] is None
-    # one task under srun all the same: Slurm signals a step's tasks before the time limit
-    assert r["mpi"].endswith("srun --nodes=1 --ntasks-per-node=1 --cpus-per-task=96 "
-                             "--kill-on-bad-exit=1"), r["mpi"]
+    # one GPU, and one CPU rank: the plugin refuses an MPI job of one task, so `mpi` is there
+    # (its job step then runs the command as it is) but empty, and the rule's srun step
+    # starts the one task, which Slurm's requeue signal then reaches
+    one_gpu = {**P4X2, "nodes": 1, "gpus_per_node": 1, "devices_per_node": 1}
+    one_cpu = {**CPU2, "cpu_processes": 1, "devices_per_node": 1}
+    for entry, tasks in ((one_gpu, ""), (one_cpu, " --ntasks=1")):
+        r = slurm.train_resources(entry, True)
+        assert r["tasks"] is None and r["tasks_per_node"] is None and r["mpi"] == ""
+        assert r["launch"].endswith(f"srun --nodes=1 --ntasks-per-node=1 --cpus-per-task="
+                                    f"{entry['cpus_per_node']} --kill-on-bad-exit=1"), r
+        for rule in ("train_model", "validate_lr_run"):
+            line = sbatch_line(entry, rule=rule)
+            assert "--nodes=1" in line and "--ntasks-per-node" not in line, line
+            assert ("--gres=gpu:a100:1" in line) == (entry is one_gpu), line
+            assert re.findall(r" --ntasks=\d+", line) == re.findall(r" --ntasks=\d+", tasks), line
     two_nodes = {**P4X2, "gpus_per_node": 1, "devices_per_node": 1}
     r = slurm.train_resources(two_nodes, True)
     assert (r["tasks"], r["tasks_per_node"], r["tasks_per_gpu"]) == (2, None, 0)
@@ -230,8 +280,8 @@ def test_outside_slurm_training_takes_the_local_gpu_pool_only():
         for on_slurm in (True, False):
             assert set(slurm.train_resources(entry, on_slurm)) == set(slurm.TRAIN_RESOURCE_KEYS)
     r = slurm.train_resources(P4X2, False)
-    assert r["gpu"] == 8 and r["mpi"] == ""
-    assert all(v is None for k, v in r.items() if k not in ("gpu", "mpi"))
+    assert r["gpu"] == 8 and r["launch"] == r["mpi"] == ""
+    assert all(v is None for k, v in r.items() if k not in ("gpu", "launch", "mpi"))
 
 
 def test_gpu_requests_name_the_entrys_gpu_type():
@@ -368,13 +418,15 @@ def test_every_job_of_the_demo_went_through_slurm_and_its_accounting(slurm_demo)
     assert json.loads((work / "results/eval/ci2x1.json").read_text())["provenance"]
 
 
-def test_lr_finder_runs_are_one_device_jobs_spread_over_the_nodes(slurm_demo):
+def test_lr_finder_runs_are_one_node_jobs_without_a_gpu_on_the_cpu_partition(slurm_demo):
+    """The 2-node entry has CPU ranks: its LR runs ask for no GPU, which partition debug (no
+    GPU) would refuse, and run on one node each."""
     work, out = slurm_demo
     ids = slurm_jobs_of(out, "lr_find")
     assert len(ids) == 2, out[-3000:]
-    records = sacct(*ids)
-    assert all(r["NNodes"] == "1" for r in records), records
-    assert {r["NodeList"] for r in records} == set(NODES), records
+    records = sacct(*ids, fields=("JobID", "NNodes", "NodeList", "Partition", "ReqTRES"))
+    assert all(r["NNodes"] == "1" and r["NodeList"] in NODES for r in records), records
+    assert all(r["Partition"] == "debug" and "gpu" not in r["ReqTRES"] for r in records), records
 
 
 def test_training_was_one_srun_step_over_two_nodes(slurm_demo):

@@ -59,6 +59,8 @@ def test_a_training_longer_than_the_time_limit_requeues_and_resumes(slurm_demo):
     assert not [code for code in steps if code.endswith(":9")], (steps, runs)
     s = json.loads((work / TRAIN_DIR / "train_summary.json").read_text())
     assert s["completed"] and s["epochs_run"] == s["epochs_planned"] == epochs
+    # with a real plan's loader: fork-server workers, which Slurm's signal reaches too
+    assert s["loader"]["num_workers"] > 0, s["loader"]
     assert s["attempts"] == states.count("REQUEUED") + 1, (s["attempts"], runs)
     # the Slurm log, appended to by each start (Snakemake starts the rule's log afresh)
     log = (work / f".snakemake/slurm_logs/rule_train_model/ci2x1/{job}.log").read_text()

@@ -10,13 +10,14 @@ import re
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from imgclf import recipes, settings, train
+from imgclf import forecast, recipes, settings, train
 from imgclf.errors import UserError
 from imgclf.plan import Plan
 from imgclf.train import resume
@@ -24,6 +25,7 @@ from imgclf.train import module as schedule
 from imgclf.train import summary as after
 
 BIN = Path(sys.executable).parent
+TIMEOUT = timedelta(minutes=30)
 UMASK = 0o027  # a group-readable setting, as on a shared cluster file system
 CPU_CLUSTER = {"name": "local", "gpus_per_node": 0, "gpu_model": "none", "gpu_memory_gb": 0,
                "nodes": 1, "cpus_per_node": 2, "ram_gb": 24, "cpu_processes": 2,
@@ -190,18 +192,75 @@ def test_ranks_take_the_decision_of_the_process_that_started_them(tmp_path, monk
     # of an unset variable records nothing to restore)
     monkeypatch.setenv(resume.DECISION_ENV, "")
     monkeypatch.delenv(resume.DECISION_ENV)
-    first = resume.agreed_resume(tmp_path, "abc", "gloo")
+    first = resume.agreed_resume(tmp_path, "abc", "gloo", TIMEOUT)
     assert first["path"] is None and first["decided_by"] == os.getpid()
     torch.save({"epoch": 1, "global_step": 4, "imgclf": {"train_digest": "abc"}},
                tmp_path / "last.ckpt")
     child = subprocess.run(
         [sys.executable, "-c", "import json; from pathlib import Path; "
          "from imgclf.train import resume; "
-         f"print(json.dumps(resume.agreed_resume(Path({str(tmp_path)!r}), 'abc', 'gloo')))"],
+         f"print(json.dumps(resume.agreed_resume(Path({str(tmp_path)!r}), 'abc', 'gloo', None)))"],
         capture_output=True, text=True, check=True)
     assert json.loads(child.stdout.strip().splitlines()[-1])["path"] is None  # the parent's
-    again = resume.agreed_resume(tmp_path, "abc", "gloo")  # same process, new run: decides
+    again = resume.agreed_resume(tmp_path, "abc", "gloo", TIMEOUT)  # same process, new run: decides
     assert again["path"] == str(tmp_path / "last.ckpt")
+
+
+# A rank that srun started, whose peer never comes: its process group's store waits for rank 0
+SRUN_RANK = """
+import sys, time
+from datetime import timedelta
+from imgclf.train import resume
+start = time.monotonic()
+try:
+    resume.agreed_resume(None, "abc", "gloo", timedelta(seconds=float(sys.argv[1])))
+except Exception as e:
+    print(round(time.monotonic() - start, 1), type(e).__name__)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_srun_started_wait_for_their_peers_as_long_as_configured(monkeypatch):
+    """srun's ranks make their process group before Lightning, which then keeps it as it is: the
+    configured `train.collective_timeout_minutes` must reach it (torch's default for NCCL is 10
+    minutes, and a rank waiting for a peer that never comes would hold its GPU that long)."""
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2",
+           "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_NODELIST": "localhost",
+           "SLURM_LOCALID": "0", "SLURM_PROCID": "1", "SLURM_NODEID": "1",
+           "MASTER_PORT": str(forecast.free_port())}
+    res = subprocess.run([sys.executable, "-c", SRUN_RANK, "3"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    seconds = res.stdout.split()[0]  # then the error's type
+    # torch may end its retries before the 3 s are out (2.4 did at 2 s); its default: 30 minutes
+    assert 1 <= float(seconds) < 30, res.stdout + res.stderr[-2000:]
+
+
+def test_the_training_timeout_and_device_reach_both_process_groups(monkeypatch):
+    """Under NCCL, srun's ranks bind their communicator to their GPU (device_id) and take the
+    configured timeout, as Lightning's DDPStrategy does for the ranks it starts."""
+    from imgclf import train
+
+    made = {}
+    monkeypatch.setattr(resume.torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(resume.torch.distributed, "init_process_group",
+                        lambda backend, **kw: made.update(backend=backend, **kw))
+    monkeypatch.setattr(resume.torch.distributed, "broadcast_object_list", lambda box, src: None)
+    monkeypatch.setattr(resume.torch.cuda, "set_device", lambda i: made.update(set_device=i))
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # SLURMEnvironment sets them: undone after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for k, v in {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "16",
+                 "SLURM_NTASKS_PER_NODE": "8",
+                 "SLURM_NNODES": "2", "SLURM_NODELIST": "n[1-2]", "SLURM_LOCALID": "3",
+                 "SLURM_PROCID": "11", "SLURM_NODEID": "1"}.items():
+        monkeypatch.setenv(k, v)
+    t = settings.section({"train": {"collective_timeout_minutes": 45}}, "train")
+    resume.agreed_resume(None, "abc", "nccl", train.collective_timeout(t))
+    assert made["backend"] == "nccl" and made["timeout"] == timedelta(minutes=45)
+    assert made["device_id"] == torch.device("cuda", 3) and made["set_device"] == 3
+    assert (made["rank"], made["world_size"]) == (11, 16)
+    default = train.collective_timeout(settings.section({}, "train"))
+    assert default == timedelta(minutes=30)
 
 
 def test_digest_covers_data_census_and_ignores_bookkeeping_keys(demo_root, tmp_path):
@@ -417,6 +476,26 @@ def test_a_failure_on_rank_zero_ends_the_other_ranks(demo_root, tmp_path):
     assert not Path(f"/proc/{rank1}").exists()  # ended, not left waiting
 
 
+def test_a_collective_that_failed_with_its_peer_is_told_apart():
+    """gloo's lost connection and NCCL's errors for a peer that is gone (in the words of torch's
+    and NCCL's libraries) are another rank's failure, which reports its own error; a timeout
+    (the peer may hang without one) and this rank's own error are not."""
+    dist = torch.distributed
+    assert train.peer_failed(dist.DistNetworkError("failed to recv, got 0 bytes"))
+    assert train.peer_failed(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                                          "Connection closed by peer [10.77.0.12]:48213"))
+    assert train.peer_failed(dist.DistBackendError(
+        "NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network "
+        "error, NCCL version 2.27.3\nncclRemoteError: A call failed possibly due to a network "
+        "error or a remote process exiting prematurely."))
+    assert train.peer_failed(dist.DistBackendError("NCCL communicator was aborted on rank 3."))
+    assert not train.peer_failed(dist.DistBackendError(
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
+        "OpType=ALLREDUCE) ran for 1800000 milliseconds before timing out."))
+    assert not train.peer_failed(RuntimeError("CUDA error: an illegal memory access was "
+                                              "encountered"))
+
+
 def test_trainer_options_follow_the_device():
     """DDP on GPUs and CPU ranks, one device without DDP on Apple's MPS; SyncBatchNorm only when
     asked for (its collectives per BN layer cost more than the reference recipes gain at their
@@ -437,6 +516,8 @@ def test_trainer_options_follow_the_device():
     o = train.trainer_options(job(gpu))
     assert isinstance(o["strategy"], DDPStrategy) and o["strategy"].process_group_backend == "nccl"
     assert o["sync_batchnorm"] is False and o["benchmark"] is True
+    assert train.trainer_options(job(gpu, collective_timeout_minutes=45))["strategy"]._timeout \
+        == timedelta(minutes=45)  # as srun's ranks get it (train/resume.py)
     assert train.trainer_options(job(gpu, sync_batchnorm=True))["sync_batchnorm"] is True
     mps = {**CPU_CLUSTER, "accelerator": "mps", "devices_per_node": 1}
     o = train.trainer_options(job(mps))

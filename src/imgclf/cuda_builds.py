@@ -32,6 +32,11 @@ INDEX_URL = "https://download.pytorch.org/whl/{tag}"
 # How a user overrides run.sh's choice: a tag (cu126, cu128, cu130, cpu), a whole index URL, or
 # `default` for pip's own index.
 OVERRIDE_ENV = "IMGCLF_TORCH_INDEX"
+# Or names the hardware the environment is for, where it is built elsewhere (a login node
+# without GPUs, whose own choice would be the default build): an entry of config/config.yaml
+# or a GPU model (`p3`, `V100`)
+FOR_ENV = "IMGCLF_TORCH_FOR"
+CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "config", "config.yaml")
 
 # Compute capability (major * 10 + minor) of the GPU models a hardware entry may name in
 # `gpu_model` (NVIDIA's list of CUDA GPUs), for decisions taken before any device is visible:
@@ -132,6 +137,44 @@ def choose_index(driver: str | None, device_sms: list[int], override: str | None
     return INDEX_URL.format(tag=FALLBACK), f"{why}: the CUDA 12.6 build"
 
 
+def entry_gpu_models(config_text: str) -> dict[str, str]:
+    """{entry: gpu_model} of the `clusters:` block of config/config.yaml, read in its block
+    layout without a YAML parser (none is installed yet when run.sh asks)."""
+    models, entry, inside = {}, None, False
+    for line in config_text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent == 0:
+            inside = line.startswith("clusters:")
+        elif inside and indent == 2 and line.rstrip().endswith(":"):
+            entry = line.strip()[:-1]
+        elif inside and entry and (m := re.match(r"\s+gpu_model:\s*([^#]+)", line)):
+            models[entry] = m.group(1).strip().strip("'\"")
+    return models
+
+
+def choose_for(target: str, models: dict[str, str]) -> tuple[str, str]:
+    """(wheel index URL, why) for the hardware `target` names, an entry or a GPU model, as on
+    its own nodes (their driver unseen from here: a driver too old for the build is the
+    stages' sentence on the node). Raises ValueError with one sentence when it names neither a
+    known model nor an entry with one, or a GPU that no build supports."""
+    model = models.get(target, target)
+    sm = model_capability(model)
+    if sm is None:
+        raise ValueError(
+            f"{FOR_ENV}={target} names neither an entry of config/config.yaml with a known GPU "
+            f"model nor a GPU model of {', '.join(CAPABILITY)}: name one of them, or the build "
+            f"itself with {OVERRIDE_ENV} (cu126, cu130, ...).")
+    if sm >= DEFAULT_FIRST_SM:
+        return "", f"{FOR_ENV}={target}: {model} ({sm_name(sm)}) runs the default CUDA 13 build"
+    if not runs_on(sm, FALLBACK_SM):
+        raise ValueError(f"{FOR_ENV}={target}: {model} ({sm_name(sm)}) is supported by no "
+                         f"current PyTorch build: use another GPU.")
+    return (INDEX_URL.format(tag=FALLBACK),
+            f"{FOR_ENV}={target}: {model} ({sm_name(sm)}) needs the CUDA 12.6 build")
+
+
 def query_nvidia_smi() -> tuple[str | None, list[int]]:
     """(driver version, compute capability of every GPU) from nvidia-smi; (None, []) without
     one. The capability comes from its `compute_cap` field, or from the model name on drivers
@@ -157,10 +200,16 @@ def query_nvidia_smi() -> tuple[str | None, list[int]]:
 
 
 def main() -> int:
-    """run.sh's choice: prints the index URL (empty: pip's own) and says why on stderr."""
-    driver, sms = query_nvidia_smi()
+    """run.sh's choice: prints the index URL (empty: pip's own) and says why on stderr. The
+    build named by IMGCLF_TORCH_INDEX, else the one for the hardware IMGCLF_TORCH_FOR names,
+    else the one for this machine's GPUs and driver."""
+    target = os.environ.get(FOR_ENV)
     try:
-        url, why = choose_index(driver, sms, os.environ.get(OVERRIDE_ENV))
+        if target and not os.environ.get(OVERRIDE_ENV):
+            with open(CONFIG) as f:
+                url, why = choose_for(target, entry_gpu_models(f.read()))
+        else:
+            url, why = choose_index(*query_nvidia_smi(), os.environ.get(OVERRIDE_ENV))
     except ValueError as e:
         print(f"run.sh: {e}", file=sys.stderr)
         return 1

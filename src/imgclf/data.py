@@ -225,7 +225,35 @@ def forkserver_context(preload=()):
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, *DECODE_MODULES, *preload])
+    start_forkserver()
     return ctx
+
+
+def start_forkserver() -> None:
+    """Start the fork server (and the resource tracker it starts first) now, if it is not
+    running, with the signals this process only notes (noted_signals) blocked. Python starts
+    both with exec, which resets a handled signal to its default action, and the default
+    action of these ends a process: Slurm's requeue signal, sent to every process of the job
+    step, would end the server and every worker, and the rank's next batch would fail. A
+    blocked signal stays blocked across exec and fork, so the server, the tracker and each
+    worker forked from the server never act on it; one that reaches this process meanwhile is
+    delivered once the mask is restored."""
+    import multiprocessing.forkserver
+    import signal
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, noted_signals())
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def noted_signals() -> set:
+    """The user signals this process handles in Python (Slurm's requeue signal in a training
+    rank, slurm.catch_requeue_signal): the helpers it starts must not die from them."""
+    import signal
+
+    return {s for s in (signal.SIGUSR1, signal.SIGUSR2) if callable(signal.getsignal(s))}
 
 
 class ExitWithProcess:

@@ -36,17 +36,49 @@ _held: list = []  # open lock files: the locks live as long as this process
 
 
 def lock_dir() -> Path:
-    """One folder per machine (the system's temporary folder), writable by every user."""
+    """One folder per machine (the system's temporary folder), in which every user creates and
+    locks files: sticky and writable by all, whatever the umask of the user who made it (mkdir
+    applies the umask to the mode it is given)."""
     path = Path(tempfile.gettempdir()) / "imgclf-gpu-locks"
-    path.mkdir(mode=0o1777, exist_ok=True)
+    try:
+        path.mkdir()
+        os.chmod(path, 0o1777)
+    except FileExistsError:
+        pass
     return path
+
+
+def _open_lock(path: Path, wait_s: float = 2.0) -> int:
+    """A descriptor of `path` open for writing, which a lock needs: created readable and
+    writable by every user (os.open's mode is reduced by the umask, so it is set again), or
+    opened as it is. What this user may not write, the folder or another user's file, is tried
+    again for `wait_s` seconds (its maker sets the mode right after creating it: the two calls
+    are not one step), then refused in one sentence. Never O_CREAT on a file that exists: with
+    fs.protected_regular, Linux refuses that on another user's file in a sticky folder."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            os.fchmod(fd, 0o666)
+            return fd
+        except (FileExistsError, PermissionError):
+            pass  # someone's file, or a folder this user may not create in
+        try:
+            return os.open(path, os.O_RDWR)
+        except (FileNotFoundError, PermissionError) as e:
+            if time.monotonic() >= deadline:
+                blocked = path.parent if isinstance(e, FileNotFoundError) else path
+                raise UserError(
+                    f"The GPU lock {'folder' if blocked != path else 'file'} {blocked} is not "
+                    f"writable for this user, so no GPU job of this user can claim that GPU: "
+                    f"ask its owner or root to run `chmod {'1777' if blocked != path else '666'} "
+                    f"{blocked}`.") from None
+            time.sleep(0.05)
 
 
 def _try_lock(uuid: str):
     """The open lock file of device `uuid`, or None when another process holds it."""
-    path = lock_dir() / f"{uuid}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    f = os.fdopen(fd, "r+")
+    f = os.fdopen(_open_lock(lock_dir() / f"{uuid}.lock"), "r+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -66,17 +98,21 @@ def started_by_srun() -> bool:
     return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
-def claim_gpus(count: int, what: str, poll_s: float = 2.0) -> list[dict]:
+def claim_gpus(count: int, what: str, entry: dict | None = None,
+               poll_s: float = 2.0) -> list[dict]:
     """Claim `count` of the GPUs visible here for the rest of this process, waiting while too
     few are free; return them (name, memory_gb, uuid, and the seconds it waited) and make them
-    this process's only CUDA devices. Nothing to claim without GPUs, for srun's ranks, or in a rank started by a process
-    that already claimed."""
+    this process's only CUDA devices. With a hardware `entry`, only GPUs of its model (and
+    memory) where this machine has any, so that a job on a node of mixed GPUs runs on, and
+    measures, the GPU it plans for. Nothing to claim without GPUs, for srun's ranks, or in a
+    rank started by a process that already claimed."""
     inherited = os.environ.get(CLAIM_ENV)
     if inherited is not None:
         return json.loads(inherited)
-    gpus = hardware.visible_devices()
-    if count < 1 or not gpus or started_by_srun():
+    visible = hardware.visible_devices()
+    if count < 1 or not visible or started_by_srun():
         return []
+    gpus = [g for g in visible if entry and hardware.is_entry_gpu(entry, g)] or visible
     if count > len(gpus):
         raise UserError(f"{what} needs {count} GPUs but this machine shows {len(gpus)}: run it "
                         f"on a machine with {count}, or fix the entry's `gpus_per_node`.")

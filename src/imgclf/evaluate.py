@@ -29,9 +29,13 @@ class Accumulator:
 
         self.num_classes = num_classes
         self.k5 = min(5, num_classes)
-        self.acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro").to(device)
-        self.acc5 = MulticlassAccuracy(num_classes, top_k=self.k5, average="micro").to(device)
-        self.confusion = MulticlassConfusionMatrix(num_classes).to(device)
+        # validate_args off: its checks of every batch's values synchronise with the device,
+        # and the labels come from the file index, valid by construction
+        check = {"validate_args": False}
+        self.acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro", **check).to(device)
+        self.acc5 = MulticlassAccuracy(num_classes, top_k=self.k5, average="micro",
+                                       **check).to(device)
+        self.confusion = MulticlassConfusionMatrix(num_classes, **check).to(device)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.count = 0
 
@@ -113,7 +117,7 @@ def pick_device(cluster: dict, precision: str) -> torch.device:
     if cluster["accelerator"] == "mps":
         return torch.device("mps")
     if cluster["accelerator"] == "gpu":
-        devices.claim_gpus(1, f"Evaluation of cluster {cluster['name']!r}")
+        devices.claim_gpus(1, f"Evaluation of cluster {cluster['name']!r}", cluster)
         if hardware.cuda_ready(cluster):
             hardware.check_precision(cluster, precision, hardware.capability())
             return torch.device("cuda", 0)

@@ -187,6 +187,16 @@ def step_model(compute_s: float, load_s: float, workers: int) -> tuple[float, st
     return (max(compute_s, load_s) if workers else compute_s + load_s), bound
 
 
+def unlike_training(train: dict) -> dict:
+    """How the LR runs' timed steps differ from training's, said rather than guessed: they run
+    with training's cuDNN autotuning, but never compiled."""
+    if not train.get("compile"):
+        return {}
+    return {"unlike_training": "training compiles the model (`train.compile`), which the LR "
+                               "runs timed uncompiled: its steps may be faster than forecast, "
+                               "its first ones slower (compilation), neither measured here"}
+
+
 def plan_forecast(*, timing: dict, loader_rate: float, plan: Plan, hw: dict, efficiency: dict,
                   train_images: int, val_images: int, epochs: int, limits: dict) -> dict:
     """Time, device-hours and cost of the training from one device's times (`timing`: compute
@@ -280,7 +290,7 @@ def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, trai
         timing = {**timing, "compute_s": measured["step_s_alone"],
                   "eval_s": measured["eval_s_together"], "source": "measured here (CPU ranks)"}
     else:
-        timing = {**timing, "source": "the LR runs"}
+        timing = {**timing, "source": "the LR runs", **unlike_training(train)}
     efficiency = efficiency_of(hw, plan, measured)
     limits = {"train": train["limit_train_batches"], "val": train["limit_val_batches"]}
     f = plan_forecast(timing=timing, loader_rate=loader_rate, plan=plan, hw=hw,
@@ -302,6 +312,8 @@ def run(runs, loader_path, memory_path, noise_path, train_index, val_index, hw, 
         "b_simple": noise["b_simple"], "stderr": noise["stderr"],
         **noise_scale.with_forecast(noise["advice"], forecast)}
     log.info("%s", sentence(forecast))
+    if forecast.get("step_timing", {}).get("unlike_training"):
+        log.warning("The forecast's step times: %s", forecast["step_timing"]["unlike_training"])
     log.info("%s", forecast["batch_vs_noise"]["sentence"])
     return write_artifact(out, forecast, config_slice={"hw": hw, "model": model, "train": train},
                           inputs=[*runs, loader_path, memory_path, noise_path, train_index,

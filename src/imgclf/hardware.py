@@ -101,6 +101,13 @@ def visible_devices() -> list[dict]:
     return visible_gpus(_gpus(), migs, visible)
 
 
+def is_entry_gpu(entry: dict, gpu: dict) -> bool:
+    """Whether a GPU (name, memory_gb) is the hardware entry's: its `gpu_model` by name, and at
+    least 90 % of its `gpu_memory_gb` (a 40 GB A100 is not an 80 GB one's plan)."""
+    return (gpu_matches(str(entry.get("gpu_model", "")), gpu["name"])
+            and gpu["memory_gb"] >= 0.9 * float(entry.get("gpu_memory_gb") or 0))
+
+
 def detect_gpus() -> list[dict]:
     """GPUs visible to this process: name and memory in GB."""
     return [{"name": g["name"], "memory_gb": g["memory_gb"]} for g in visible_devices()]

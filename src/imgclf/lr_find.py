@@ -99,7 +99,7 @@ def _device(hw: dict, run: int):
     if hw["accelerator"] == "mps":
         return torch.device("mps")
     if hw["accelerator"] == "gpu":
-        devices.claim_gpus(1, f"LR-finder run {run}")
+        devices.claim_gpus(1, f"LR-finder run {run}", hw)
         if hardware.cuda_ready(hw):
             return torch.device("cuda", 0)
     return torch.device("cpu")
@@ -203,16 +203,19 @@ class OneDeviceRun:
 
 
 def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int | None,
-                   seed: int, run: int, threads: int | None = None) -> OneDeviceRun:
+                   seed: int, run: int, threads: int | None = None,
+                   cudnn_benchmark: bool = False) -> OneDeviceRun:
     """The model, data and device of run `run` at `batch` (None: the plan's per-device batch),
     seeded by `seed`, with the recipe's model, loss and batch mixing on one device of entry
-    `hw`."""
+    `hw`; cuDNN autotuning as `cudnn_benchmark` says (training's setting, for a run that times
+    its steps)."""
     import torch
 
     hardware.check_precision(hw, model["precision"])  # the entry's GPU model, before any work
     batch = batch or plan.per_device_batch
     if threads:
         torch.set_num_threads(threads)
+    torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
     torch.manual_seed(seed)
     recipe = recipes.get(model["recipe"])
     device = _device(hw, run)
@@ -232,11 +235,14 @@ def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int | 
 
 
 def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
-         batch_size: int | None = None, threads: int | None = None) -> dict:
+         batch_size: int | None = None, threads: int | None = None,
+         cudnn_benchmark: bool = True) -> dict:
     """One LR range test with the recipe's model, loss, optimizer and batch mixing on one device
-    of hardware entry `hw`; returns the loss curve and where it diverged."""
+    of hardware entry `hw`; returns the loss curve and where it diverged, and its steps' times
+    with training's cuDNN autotuning (`cudnn_benchmark`: the first steps at the batch's shape
+    autotune, which the forecast's warm-up leaves out)."""
     seed = cfg["seed"] + run
-    r = one_device_run(source, model, hw, plan, batch_size, seed, run, threads)
+    r = one_device_run(source, model, hw, plan, batch_size, seed, run, threads, cudnn_benchmark)
     recipe, batch, device, amp, net, loader = r.recipe, r.batch, r.device, r.amp, r.net, r.loader
     finder = _finder(net, recipes.build_optimizer(net, recipe, lr=cfg["start_lr"]),
                      r.criterion, device, amp)
@@ -251,7 +257,10 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
     timing = {"step_seconds": [round(x, 5) for x in finder.step_seconds],
               "data_wait_seconds": _per_step(waits, accumulation, len(finder.step_seconds)),
               "eval_seconds": _eval_seconds(net, loader, device, amp),
-              "device_name": _device_name(device)}
+              "device_name": _device_name(device),
+              # how the steps ran, against training's: autotuned as it is, never compiled
+              "cudnn_benchmark": bool(cudnn_benchmark) and device.type == "cuda",
+              "compiled": False}
     history = {"lr": [float(x) for x in finder.history["lr"]],
                "smoothed_loss": [float(x) for x in finder.history["loss"]],
                "loss": [float(x) for x in finder.raw]}
@@ -295,12 +304,14 @@ def _mixing_note(recipe) -> str:
     return ("the recipe's " + " or ".join(parts) + ", as in training") if parts else "none"
 
 
-def run_find(source, model, hw, memory_path, cfg, run, out, batch_size=None,
+def run_find(source, model, hw, memory_path, cfg, run, out, cudnn_benchmark, batch_size=None,
              threads=None) -> dict:
     plan = Plan.read(memory_path, hw["name"])
-    result = find(source, model, hw, plan, cfg, run, batch_size=batch_size, threads=threads)
+    result = find(source, model, hw, plan, cfg, run, batch_size=batch_size, threads=threads,
+                  cudnn_benchmark=cudnn_benchmark)
     return write_artifact(out, result, config_slice={"source": source, "model": model, "hw": hw,
                                                       "lr_finder": cfg,
+                                                      "cudnn_benchmark": cudnn_benchmark,
                                                       "run": run, "batch_size": batch_size},
                           inputs=[memory_path])
 

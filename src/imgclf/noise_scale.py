@@ -52,7 +52,11 @@ def unbiased(small_sq, big_sq, b_small: float, b_big: float) -> tuple[np.ndarray
     """Per step: unbiased estimates of |G|^2 and tr(Sigma) from the squared norms of gradients
     averaged over `b_small` and `b_big` examples (the paper's eqs. A.2, A.3), using
     E|g_B|^2 = |G|^2 + tr(Sigma) / B."""
-    small, big = np.asarray(small_sq, float), np.asarray(big_sq, float)
+    return unbiased_terms(np.asarray(small_sq, float), np.asarray(big_sq, float), b_small, b_big)
+
+
+def unbiased_terms(small, big, b_small: float, b_big: float):
+    """unbiased() on arrays or tensors as they are (a tensor stays on its device)."""
     grad_sq = (b_big * big - b_small * small) / (b_big - b_small)
     trace = (small - big) / (1 / b_small - 1 / b_big)
     return grad_sq, trace
@@ -167,34 +171,40 @@ def with_forecast(adv: dict, forecast: dict) -> dict:
 
 class NormHook:
     """A DDP communication hook: all-reduces each gradient bucket as DDP's default hook does,
-    and adds the bucket's squared norm before the all-reduce (this rank's gradient) and after
-    it (the global one) to two running sums. The sums stay on the device, so the step has no
-    host synchronisation; `take` hands them over once per optimizer step. DDP takes the bound
-    method `all_reduce` as the hook (it reads the hook's `__name__`)."""
+    and keeps the bucket's squared norm before the all-reduce (this rank's gradient) and after
+    it (the global one). Each bucket's norms are tensors of their own, summed only in `take`:
+    the buckets' callbacks may run on different CUDA streams, where adding in place into one
+    tensor would race. They stay on the device, so the step has no host synchronisation;
+    `take` hands them over once per optimizer step. DDP takes the bound method `all_reduce` as
+    the hook (it reads the hook's `__name__`)."""
 
     def __init__(self, device):
-        import torch
-
-        self.local = torch.zeros((), device=device)
-        self.reduced = torch.zeros((), device=device)
+        self.device = device
+        self.local: list = []
+        self.reduced: list = []
 
     def all_reduce(self, process_group, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        self.local += bucket.buffer().float().pow(2).sum()
+        self.local.append(bucket.buffer().float().pow(2).sum())
 
         def add_reduced(fut):
             value = fut.value()
             tensor = value[0] if isinstance(value, list) else value
-            self.reduced += tensor.float().pow(2).sum()
+            self.reduced.append(tensor.float().pow(2).sum())
             return tensor
 
         return allreduce_hook(process_group, bucket).then(add_reduced)
 
     def take(self):
-        """(this rank's |g|^2, the global |g|^2) of the step, and zero for the next."""
-        local, reduced = self.local.clone(), self.reduced.clone()
-        self.local.zero_(), self.reduced.zero_()
+        """(this rank's |g|^2, the global |g|^2) of the step, and empty lists for the next."""
+        import torch
+
+        def total(parts):
+            return torch.stack(parts).sum() if parts else torch.zeros((), device=self.device)
+
+        local, reduced = total(self.local), total(self.reduced)
+        self.local, self.reduced = [], []
         return local, reduced
 
 

@@ -311,13 +311,15 @@ SUMMARY_KEYS = ("skip_start", "skip_end", "gradient", "until_minimum", "suggesti
 
 def lr_find_params(config: dict, cluster_name: str) -> dict:
     """lr_find: what one range test depends on (not the run count, how a curve is read or how
-    runs are combined: adding a run or changing a suggestion rule redoes no existing run), and
-    the device keys of the hardware entry."""
+    runs are combined: adding a run or changing a suggestion rule redoes no existing run), the
+    device keys of the hardware entry, and training's cuDNN autotuning, with which the runs time
+    their steps for the forecast."""
     return canonical({
         "source": index_files(cluster_name)["train"],
         "model": config["model"],
         "hw": device_entry(config, cluster_name),
         "cfg": {k: config["lr_finder"][k] for k in RANGE_TEST_KEYS},
+        "cudnn_benchmark": config["train"]["cudnn_benchmark"],
     })
 
 
@@ -342,14 +344,16 @@ def noise_scale_params(config: dict, cluster_name: str) -> dict:
 
 def forecast_params(config: dict, cluster_name: str) -> dict:
     """forecast: the hardware entry with its price and scaling efficiency, `model.*` (the CPU
-    ranks' measurement builds the model) and the `train.*` keys that set how many batches run;
-    the other stages' figures are input files."""
+    ranks' measurement builds the model), the `train.*` keys that set how many batches run and
+    whether training compiles (which the LR runs' timing does not); the other stages' figures
+    are input files."""
     train = config["train"]
     return canonical({
         "hw": {k: v for k, v in cluster(config, cluster_name).items()
                if k not in HYDRATION_HW_KEYS + SLURM_HW_KEYS},
         "model": config["model"],
-        "train": {k: train[k] for k in ("epochs", "limit_train_batches", "limit_val_batches")},
+        "train": {k: train[k] for k in ("epochs", "limit_train_batches", "limit_val_batches",
+                                        "compile")},
     })
 
 

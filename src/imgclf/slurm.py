@@ -100,8 +100,8 @@ STEP_RUNNER = f"{shlex.quote(sys.executable)} -m imgclf.slurm"
 
 
 # The Snakemake resources of a job that trains (train_model, validate_lr_run)
-TRAIN_RESOURCE_KEYS = ("gpu", "mpi", "nodes", "tasks", "tasks_per_node", "tasks_per_gpu", "gres",
-                       "constraint", "cpus_per_task", "mem_mb_per_cpu")
+TRAIN_RESOURCE_KEYS = ("gpu", "launch", "mpi", "nodes", "tasks", "tasks_per_node", "tasks_per_gpu",
+                       "gres", "constraint", "cpus_per_task", "mem_mb_per_cpu")
 # The Snakemake resources of a job that asks for GPUs of its entry's model on one node
 GPU_RESOURCE_KEYS = ("gpu", "gpu_model", "constraint")
 # Slurm names a GPU type with letters, digits, `_` and `.` (the plugin's own check)
@@ -138,17 +138,22 @@ def gpu_resources(cluster: dict, count: int, slurm: bool) -> dict:
 def train_resources(cluster: dict, slurm: bool) -> dict:
     """Snakemake resources of the training job (a None value leaves the resource unset).
 
-    Outside Slurm: the GPUs it takes from the `gpu` pool of `--resources`, and an empty `mpi`.
-    Under Slurm: the allocation, and in `mpi` the srun line the rule puts before the command.
-    Any `mpi` key makes the plugin leave the launch to the rule instead of wrapping it in
-    `srun -n1`, which would give DDP a single task."""
+    Outside Slurm: the GPUs it takes from the `gpu` pool of `--resources`; `launch` is empty
+    (Lightning's launcher starts the local ranks). Under Slurm: the allocation, and in `launch`
+    the srun step the rule puts before its command, for one task too, as Slurm sends the
+    requeue signal to a step's tasks only. An `mpi` key, whatever its value, makes the plugin's
+    job step run the rule's command as it is instead of inside `srun -n1`, which would start
+    one Snakemake per task and end it at the requeue signal; its value is the srun line where
+    there are several tasks, and empty for one, which the plugin refuses to submit as an MPI
+    job ("'tasks' must be greater than 1") and then gives --ntasks=1 or no task count."""
     lay = train_layout(cluster)
     gpus, world = lay["gpus_per_node"], lay["world_size"]
     if not slurm:
-        return {**dict.fromkeys(TRAIN_RESOURCE_KEYS), "gpu": gpus, "mpi": ""}
+        return {**dict.fromkeys(TRAIN_RESOURCE_KEYS), "gpu": gpus, "launch": "", "mpi": ""}
     per_node = lay["tasks_per_node"]
     name, kind = gpu_type(cluster), cluster["slurm_gpu_request"]
     typed = name and kind == "gres"
+    launch = f"{STEP_RUNNER} {srun_command(cluster)}"
     return {
         # GPUs per node as GRES, typed with the entry's GPU (or with a constraint); the `gpu`
         # resource would become --gpus, a count for the whole job
@@ -164,8 +169,8 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
         "tasks_per_gpu": 0 if gpus else None,
         "cpus_per_task": lay["cpus_per_task"],
         "mem_mb_per_cpu": lay["mem_mb_per_node"] // (per_node * lay["cpus_per_task"]),
-        # srun even for one task: Slurm sends the requeue signal to a step's tasks only
-        "mpi": f"{STEP_RUNNER} {srun_command(cluster)}",
+        "launch": launch,
+        "mpi": launch if world > 1 else "",
     }
 
 
@@ -226,8 +231,11 @@ _requeue_asked = False
 def catch_requeue_signal() -> None:
     """In a training rank that srun started: note Slurm's SIGUSR1 (its default action would end
     the rank) for the training to act on at its next check. Installed first thing, so that a
-    signal during start-up is caught too; Lightning then installs no handler of its own, and a
-    loader worker forked later only notes it in its own memory. At exit it is ignored: Python
+    signal during start-up is caught too; Lightning then installs no handler of its own. Slurm
+    sends it to every process of the step: a loader worker forked from the rank only notes it
+    in its own memory, and the fork server, its workers and the resource tracker, which start
+    by exec and would die of it, start with it blocked (data.start_forkserver). At exit it is
+    ignored: Python
     restores the default action of the signals it handles as it shuts down, so a signal just
     after a training completed would otherwise end the rank and fail the job."""
     def note(signum, frame):

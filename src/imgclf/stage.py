@@ -4,6 +4,7 @@ the terminal, and a user error reported as one sentence instead of a traceback."
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -31,3 +32,16 @@ def run(fn, log_file: str | None = None):
     except UserError as e:
         logging.getLogger("imgclf").error("%s", e)
         sys.exit(1)
+
+
+def check_interpreter(executable: str = sys.executable) -> None:
+    """Refuse, in one sentence, an interpreter whose path a shell would split: Snakemake runs
+    every `script:` rule as `<interpreter> <script>` without quoting the interpreter
+    (snakemake#2645), so such a checkout would fail at its first rule with "No such file or
+    directory" (the interpreter of run.sh's .venv lies inside the checkout)."""
+    if shlex.quote(executable) != executable:
+        raise UserError(f"This workflow's Python interpreter {executable!r} has a space or a "
+                        f"shell character in its path, which Snakemake cannot run scripts from "
+                        f"(it does not quote it, snakemake#2645): clone or move the checkout "
+                        f"(and so its .venv) to a path without them, or run Snakemake from a "
+                        f"Python environment that has none.")

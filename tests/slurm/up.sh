@@ -6,10 +6,13 @@
 # slurmdbd with a local MariaDB for job accounting (sacct), and munged run in the root namespace.
 # Debian's packages, installed if missing. Every daemon writes a pid file under $STATE;
 # tests/slurm/down.sh stops exactly those, and removes the namespaces, bridge and hosts lines.
-# The NODES compute nodes form partition debug, the default; two more form partition spare, for
-# a test that sets one of them down while a job that needs both waits there, and the other
+# The NODES compute nodes form partition debug, the default: CPU nodes without GPUs, where a
+# job that asks for a GPU is refused, as on a real CPU partition. Two more form partition spare,
+# for a test that sets one of them down while a job that needs both waits there, and the other
 # tests' jobs run on in partition debug (a node in both partitions would be held for the job
-# that waits).
+# that waits). Two nodes of partition gpu carry typed GPUs, 8 `a100` and 4 `a10g` each, and
+# the CPUs and memory of a p4 node: they take no job (nothing here has a GPU), but slurmctld
+# accepts or refuses the sbatch line of each GPU job against them (`sbatch --test-only`).
 #   STATE=/tmp/imgclf-slurm NODES=2 tests/slurm/up.sh
 set -euo pipefail
 source "$(dirname "$0")/daemons.sh"
@@ -17,6 +20,8 @@ STATE="${STATE:-/tmp/imgclf-slurm}"
 NODES="${NODES:-2}"
 ALL=$((NODES + 2))
 SPARE="imgclf-n[$((NODES + 1))-$ALL]"
+GPU_NODES=(imgclf-g1 imgclf-g2)
+GPU_GRES="gpu:a100:8,gpu:a10g:4"
 CONF=/etc/slurm/slurm.conf   # the plugin's job step drops SLURM_CONF: only this path works
 DBD_CONF=/etc/slurm/slurmdbd.conf
 MARK="# throw-away cluster of tests/slurm/up.sh"
@@ -68,17 +73,21 @@ ip addr add "$NET.1/24" dev "$BRIDGE"
 ip link set "$BRIDGE" up
 echo "$BRIDGE" > "$STATE/bridge"
 nodes=()
-for i in $(seq 1 "$ALL"); do
+# node i at .(10+i); the GPU nodes imgclf-g1, imgclf-g2 at .31, .32
+for i in $(seq 1 "$ALL") 21 22; do
     node=imgclf-n$i
+    [ "$i" -gt 20 ] && node=imgclf-g$((i - 20))
+    addr=$NET.$((10 + i))
     nodes+=("$node")
     ip netns add "$node"
     echo "$node" >> "$STATE/netns"
     ip link add "imgclf-v$i" type veth peer name eth0 netns "$node"
     ip link set "imgclf-v$i" master "$BRIDGE" up
-    ip -n "$node" addr add "$NET.$((10 + i))/24" dev eth0
+    ip -n "$node" addr add "$addr/24" dev eth0
     ip -n "$node" link set eth0 up
     ip -n "$node" link set lo up
-    echo "$NET.$((10 + i)) $node $MARK" >> /etc/hosts
+    echo "$addr $node $MARK" >> /etc/hosts
+    echo "$node $addr" >> "$STATE/addresses"
 done
 
 # --- munge, MariaDB, slurmdbd --------------------------------------------------------------
@@ -118,10 +127,14 @@ slurmdbd
 
 # --- slurmctld and one slurmd per node namespace --------------------------------------------
 node_lines=""
-for i in $(seq 1 "$ALL"); do
-    node_lines+="NodeName=imgclf-n$i NodeAddr=$NET.$((10 + i)) CPUs=$cpus RealMemory=$mem_mb Gres=gpu:1 State=UNKNOWN
+while read -r node addr; do
+    case "$node" in
+        imgclf-g*) shape="CPUs=96 RealMemory=1100000 Gres=$GPU_GRES" ;;  # a p4 node's
+        *) shape="CPUs=$cpus RealMemory=$mem_mb" ;;
+    esac
+    node_lines+="NodeName=$node NodeAddr=$addr $shape State=UNKNOWN
 "
-done
+done < "$STATE/addresses"
 cat > "$CONF" <<CONF
 $MARK
 ClusterName=imgclf-ci
@@ -159,15 +172,22 @@ ReturnToService=1
 # a cancelled or failed step's tasks get SIGKILL 10 s after SIGTERM (Slurm's default is 30)
 KillWait=10
 MpiDefault=none
-# one pretend GPU per node so that rules asking for a GPU schedule (one per node at a time,
-# which spreads one-GPU jobs over the nodes); the job sees no CUDA device
+# The GPU nodes' slurmd reports the CPUs, memory and GPUs configured here, not this machine's
 GresTypes=gpu
+SlurmdParameters=config_overrides
 ${node_lines}PartitionName=debug Nodes=imgclf-n[1-$NODES] Default=YES MaxTime=INFINITE State=UP
 PartitionName=spare Nodes=$SPARE MaxTime=INFINITE State=UP
+PartitionName=gpu Nodes=imgclf-g[1-2] MaxTime=INFINITE State=UP
 CONF
+# Each pretend GPU a character device of its own, as Slurm counts a node's GPUs by their files:
+# copies of /dev/null, which no job here opens
+mkdir -p "$STATE/dev"
+for i in $(seq 0 11); do mknod "$STATE/dev/gpu$i" c 1 3; done
 cat > /etc/slurm/gres.conf <<CONF
 $MARK
-NodeName=imgclf-n[1-$ALL] Name=gpu File=/dev/null
+AutoDetect=off
+NodeName=imgclf-g[1-2] Name=gpu Type=a100 File=$STATE/dev/gpu[0-7]
+NodeName=imgclf-g[1-2] Name=gpu Type=a10g File=$STATE/dev/gpu[8-11]
 CONF
 
 for _ in $(seq 1 60); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.5; done
@@ -184,9 +204,10 @@ done
 
 for _ in $(seq 1 120); do
     idle=$(sinfo -h -N -o "%N %T" 2>/dev/null | awk '$2 == "idle"' | wc -l)
-    if [ "$idle" = "$ALL" ]; then
-        echo "Slurm cluster up: nodes ${nodes[*]} ($cpus CPUs, ${mem_mb} MB, 1 pretend GPU each)" \
-             "on $NET.0/24, partitions debug (imgclf-n[1-$NODES]) and spare ($SPARE)," \
+    if [ "$idle" = "${#nodes[@]}" ]; then
+        echo "Slurm cluster up: nodes ${nodes[*]} on $NET.0/24, partitions debug" \
+             "(imgclf-n[1-$NODES], $cpus CPUs, ${mem_mb} MB, no GPU), spare ($SPARE) and gpu" \
+             "(${GPU_NODES[*]}: $GPU_GRES, 96 CPUs, no job runs there)," \
              "accounting by slurmdbd (account demo); state in $STATE"
         exit 0
     fi

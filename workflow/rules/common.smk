@@ -39,6 +39,13 @@ def gpu_job_resources(count):
     }
 
 
+def one_device(wildcards):
+    """The devices a one-device job of the entry asks for: 1 with GPUs (or Apple's MPS, the
+    local pool's one device), 0 for an entry of CPU ranks, which a CPU partition without GPUs
+    must accept."""
+    return int(hw(wildcards)["accelerator"] != "cpu")
+
+
 def hw(wildcards):
     """Hardware entry of the job's cluster, `auto` values resolved on this machine."""
     return settings.cluster(config, wildcards.cluster)

@@ -14,7 +14,7 @@ rule lr_find:
         "benchmarks/lr_find/{cluster}_run{run}.tsv"
     threads: 1
     resources:
-        **gpu_job_resources(lambda wc: 1),
+        **gpu_job_resources(one_device),
     params:
         p=lambda wc: settings.lr_find_params(config, wc.cluster),
     script:

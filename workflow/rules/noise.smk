@@ -32,7 +32,7 @@ rule noise_scale:
     # CPU ranks: the machine's CPUs (one job); a GPU: one, as an LR run
     threads: lambda wc: hw(wc)["cpus_per_node"] if hw(wc)["accelerator"] == "cpu" else 1
     resources:
-        **gpu_job_resources(lambda wc: 1),
+        **gpu_job_resources(one_device),
     params:
         p=lambda wc: settings.noise_scale_params(config, wc.cluster),
     script:

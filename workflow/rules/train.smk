@@ -25,7 +25,7 @@ rule train_settings:
 rule train_model:
     """Lightning DDP training from a real CLI entry point: Lightning's DDP launcher re-executes
     the command line, which a `script:` temp file would not survive; under Slurm, `srun` (in
-    resources.mpi) starts one task per device instead. Checkpoints live in
+    resources.launch) starts one task per device instead. Checkpoints live in
     results/train/{cluster}/checkpoints/, deliberately not an output, so a failed or killed
     job keeps them and the next run resumes from last.ckpt."""
     input:
@@ -72,7 +72,7 @@ rule train_model:
         lr=lambda wc, input: f"--lr-summary {input.lr}" if input.lr else "",
         imgclf=IMGCLF,
     shell:
-        "{resources.mpi} {params.imgclf} train --params-json {params.p:q}"
+        "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
         " --memory {input.memory} {params.lr} --forecast {input.forecast}"
         " --out-dir results/train/{wildcards.cluster} --log {log}"
 
@@ -95,13 +95,12 @@ rule evaluate:
         "logs/eval/{cluster}.log",
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
-        # one GPU of the entry (none for an entry without GPUs)
-        **gpu_job_resources(lambda wc: int(hw(wc)["accelerator"] == "gpu")),
+        **gpu_job_resources(one_device),
     params:
         p=lambda wc: json.dumps(
             settings.evaluate_params(config, wc.cluster), sort_keys=True
         ),
         imgclf=IMGCLF,
     shell:
-        "{params.imgclf} evaluate --params-json {params.p:q} --memory {input.memory}"
+        "{params.imgclf:q} evaluate --params-json {params.p:q} --memory {input.memory}"
         " --checkpoint {input.ckpt} --out {output.json} --confusion {output.confusion} --log {log}"

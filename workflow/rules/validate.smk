@@ -46,7 +46,7 @@ rule validate_lr_run:
         ),
         imgclf=IMGCLF,
     shell:
-        "{resources.mpi} {params.imgclf} train --params-json {params.p:q}"
+        "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
         " --memory {input.memory} --lr-summary {input.lr}"
         " --out-dir results/lr/{wildcards.cluster}/validate/x{wildcards.multiple} --log {log}"
 

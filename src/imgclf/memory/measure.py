@@ -20,12 +20,7 @@ def matching_gpu(hw: dict) -> dict | None:
     """A GPU visible here that is the cluster's GPU (same model name, at least its memory)."""
     if hw["accelerator"] != "gpu":
         return None
-    want = str(hw.get("gpu_model", ""))
-    for gpu in hardware.detect_gpus():
-        if (hardware.gpu_matches(want, gpu["name"])
-                and gpu["memory_gb"] >= 0.9 * hw["gpu_memory_gb"]):
-            return gpu
-    return None
+    return next((gpu for gpu in hardware.detect_gpus() if hardware.is_entry_gpu(hw, gpu)), None)
 
 
 def plans_measurement(memory: dict, hw: dict) -> bool:
@@ -49,9 +44,15 @@ def gpus_to_request(memory: dict, hw: dict, on_slurm: bool) -> int:
 # --- the device -------------------------------------------------------------------------------
 
 # How allocation failures read when they do not arrive as torch.OutOfMemoryError: cuDNN and
-# cuBLAS report their own status, a kernel launch the CUDA runtime's error, NCCL the CUDA
-# failure it saw ("Cuda failure 'out of memory'").
-ALLOCATION_FAILURES = ("CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED",
+# cuBLAS report their own status (cuDNN 9: ..._INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED; cuBLAS
+# cannot even create its handle under memory pressure: ..._NOT_INITIALIZED), torch reports a
+# convolution whose every cuDNN plan failed to allocate its workspace as finding no engine, a
+# kernel launch the CUDA runtime's error, NCCL the CUDA failure it saw ("Cuda failure 'out of
+# memory'"). The strings are those in torch's and cuDNN's libraries.
+ALLOCATION_FAILURES = ("CUDNN_STATUS_ALLOC_FAILED",
+                       "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+                       "CUBLAS_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED",
+                       "was unable to find an engine to execute this computation",
                        "out of memory")
 
 
@@ -150,7 +151,7 @@ def cuda_device(hw: dict, precision: str) -> dict:
     precision are checked against it (`imgclf.hardware.cuda_ready`, `check_precision`)."""
     import torch
 
-    devices.claim_gpus(1, f"The memory solve of cluster {hw['name']!r}")
+    devices.claim_gpus(1, f"The memory solve of cluster {hw['name']!r}", hw)
     if not hardware.cuda_ready(hw):
         raise UserError("`memory.mode: measure` needs a GPU but torch sees no CUDA device here: "
                         "set `memory.mode: estimate` or run solve_memory on a GPU node.")

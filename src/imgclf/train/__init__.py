@@ -23,6 +23,7 @@ import signal
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -47,10 +48,22 @@ from imgclf.train.resume import agreed_resume, supersede, train_digest
 __all__ = ["run", "ImageClassifier", "ImageData", "datasets", "resolve_lr", "check_hardware"]
 log = logging.getLogger("imgclf.train")
 CKPT_NAME = "epoch={epoch}-val_acc1={val/acc1:.4f}"
+# How NCCL says a peer is gone: the remote error of a collective, and the abort of this rank's
+# communicator after a peer's failure (the strings are those in torch's and NCCL's libraries)
+NCCL_PEER_GONE = ("ncclRemoteError", "remote process exited",
+                  "NCCL communicator was aborted")
+
+
 def peer_failed(err: RuntimeError) -> bool:
-    """Whether a collective failed because another rank died (which reports its own error)."""
-    dist_error = getattr(torch.distributed, "DistNetworkError", ())
-    return isinstance(err, dist_error) or "Connection closed by peer" in str(err)
+    """Whether a collective failed because another rank died (which reports its own error):
+    gloo's lost connection, or NCCL's errors for a peer that is gone. A timeout is not one: the
+    peer may hang without an error of its own."""
+    if isinstance(err, getattr(torch.distributed, "DistNetworkError", ())):
+        return True
+    text = str(err)
+    return "Connection closed by peer" in text or (
+        isinstance(err, getattr(torch.distributed, "DistBackendError", ()))
+        and any(marker in text for marker in NCCL_PEER_GONE))
 
 
 def broken_file_sentence(err: BadImageError, bad_list: Path, out_dir: Path) -> str:
@@ -109,7 +122,7 @@ def check_hardware(cluster: dict, precision: str) -> None:
     cannot run: before any CUDA call, so that the claimed GPUs are the only ones CUDA shows."""
     name, n = cluster["name"], cluster["devices_per_node"]
     if cluster["accelerator"] == "gpu":
-        devices.claim_gpus(n, f"Training of cluster {name!r}")
+        devices.claim_gpus(n, f"Training of cluster {name!r}", cluster)
         if not hardware.cuda_ready(cluster):
             raise UserError(f"Cluster {name!r} trains on {n} GPU(s) per node but this machine has "
                             f"no usable CUDA GPU (every stage before training is done): run the "
@@ -212,7 +225,8 @@ def prepare(params: dict, memory_path, lr_summary_path, out_dir) -> Job:
         epochs, max_steps = lr_validation.run_length(params["validation"], epochs)
     digest = train_digest(params, t, plan, lr, recipe)
     resume = agreed_resume(Path(out_dir) / "checkpoints", digest,
-                           "nccl" if cluster["accelerator"] == "gpu" else "gloo")
+                           "nccl" if cluster["accelerator"] == "gpu" else "gloo",
+                           collective_timeout(t))
     return Job(params=params, t=t, plan=plan, recipe=recipe, lr=lr, epochs=epochs,
                out_dir=Path(out_dir), digest=digest, resume=resume, max_steps=max_steps,
                warmup_fraction=warmup)
@@ -232,7 +246,8 @@ def trainer_options(job: Job) -> dict:
         placement = {"strategy": "auto", "plugins": [AtomicCheckpointIO()]}
     else:
         placement = {"strategy": DDPStrategy(process_group_backend=job.backend,
-                                             checkpoint_io=AtomicCheckpointIO())}
+                                             checkpoint_io=AtomicCheckpointIO(),
+                                             timeout=collective_timeout(t))}
     return {
         "accelerator": c["accelerator"], "devices": int(c["devices_per_node"]),
         "num_nodes": int(c["nodes"]), **placement,
@@ -246,6 +261,12 @@ def trainer_options(job: Job) -> dict:
         "limit_train_batches": t["limit_train_batches"],
         "limit_val_batches": t["limit_val_batches"],
     }
+
+
+def collective_timeout(t: dict) -> timedelta:
+    """How long a rank waits in a collective for the others (`train.collective_timeout_minutes`),
+    for the process group of either launch: Lightning's and srun's (train/resume.py)."""
+    return timedelta(minutes=float(t["collective_timeout_minutes"]))
 
 
 def build_trainer(job: Job, loggers: list, callbacks: list, show_bar: bool) -> L.Trainer:

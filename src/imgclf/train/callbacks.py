@@ -231,7 +231,8 @@ class RunRecorder(Callback):
 
 class RequeueAtTimeLimit(Callback):
     """Under Slurm, at the signal Slurm sends before the job's time limit (slurm.py): every
-    `every` batches the ranks agree whether any got it (a one-number all-reduce); then all save
+    `every` batches the ranks agree whether any got it (one all-reduce of one number, and the
+    host synchronisation of reading it); then all save
     last.ckpt, rank 0 requeues the job, and they wait for Slurm to end this run. The next run
     resumes from that checkpoint, mid-epoch. A job that cannot be requeued trains on, and is not
     asked again."""
@@ -244,7 +245,10 @@ class RequeueAtTimeLimit(Callback):
         if self.gave_up or (batch_idx + 1) % self.every:
             return
         asked = torch.tensor([float(slurm.requeue_asked())], device=pl_module.device)
-        if float(trainer.strategy.reduce(asked, reduce_op="max")) == 0:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # one all-reduce: Lightning's strategy.reduce runs a barrier before its own
+            torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
+        if float(asked) == 0:
             return
         path = self.ckpt_dir / "last.ckpt"
         trainer.save_checkpoint(path)  # it ends in a barrier: rank 0 has written it
@@ -274,17 +278,21 @@ class RequeueAtTimeLimit(Callback):
 
 
 class NoiseScaleLog(Callback):
-    """The gradient noise scale B_simple of each epoch, from every rank's local gradient (the
-    per-device batch times the accumulation) and the all-reduced one (the global batch), as a
-    DDP communication hook sees them (noise_scale.NormHook). Per step the norms are added up on
-    the device; at the epoch's end one all-reduce of three numbers averages the ranks' local
-    norms, and the ratio of the epoch's means is B_simple (`train/noise_scale` in metrics.csv).
-    Needs 2 or more ranks: one rank has a single batch size."""
+    """The gradient noise scale B_simple of each epoch, from every rank's local gradient (its
+    micro-batches of the step) and the all-reduced one (the global batch), as a DDP
+    communication hook sees them (noise_scale.NormHook). Each step's unbiased |G|^2 and
+    tr(Sigma) are computed on the device, from the examples the step really had: Lightning
+    steps at an epoch's end on a partial accumulation group, whose loss it still divides by the
+    full accumulation, so that step's gradient is the share n/k of its micro-batches' mean. At
+    the epoch's end one all-reduce of three numbers averages the ranks, and the ratio of the
+    epoch's means is B_simple (`train/noise_scale` in metrics.csv). Needs 2 or more ranks: one
+    rank has a single batch size. `small_batch`, `big_batch`: a full step's, as reported."""
 
     def __init__(self, small_batch: int, big_batch: int):
         self.small_batch, self.big_batch = small_batch, big_batch
         self.by_epoch: list[dict] = []
         self.hook = self.sums = None
+        self.micro_batches = self.examples = 0  # of the step being accumulated, on this rank
 
     def on_fit_start(self, trainer, pl_module):
         from torch.nn.parallel import DistributedDataParallel
@@ -298,34 +306,45 @@ class NoiseScaleLog(Callback):
         model.register_comm_hook(None, self.hook.all_reduce)
         self.sums = torch.zeros(3, device=pl_module.device)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.micro_batches += 1
+        self.examples += int(batch[0].shape[0])
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from imgclf.noise_scale import unbiased_terms
+
         if self.hook is None:
             return
         local, reduced = self.hook.take()
-        scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: scaled grads
-        unscale = scaler.get_scale() ** 2 if scaler is not None else 1.0
-        ok = torch.isfinite(local) & torch.isfinite(reduced)  # a step AMP skips for overflow
-        zero = torch.zeros_like(local)
-        self.sums += torch.stack([torch.where(ok, local / unscale, zero),
-                                  torch.where(ok, reduced / unscale, zero), ok.float()])
+        # the gradient of n micro-batches is n/k of their mean (Lightning divides each loss by
+        # k), and scaled by the AMP loss scale (16-mixed), read without a host synchronisation
+        factor = self.micro_batches / trainer.accumulate_grad_batches
+        scale = loss_scale(trainer, pl_module.device)
+        if scale is not None:
+            factor = scale * factor
+        batch = self.examples
+        grad_sq, trace = unbiased_terms(local / factor ** 2, reduced / factor ** 2, batch,
+                                        batch * trainer.world_size)
+        self.micro_batches = self.examples = 0
+        ok = torch.isfinite(grad_sq) & torch.isfinite(trace)  # a step AMP skips for overflow
+        zero = torch.zeros_like(grad_sq)
+        self.sums += torch.stack([torch.where(ok, grad_sq, zero), torch.where(ok, trace, zero),
+                                  ok.float()])
 
     def on_train_epoch_end(self, trainer, pl_module):
-        from imgclf.noise_scale import ratio_of_means, unbiased
-
         if self.hook is None:
             return
         sums = self.sums.clone()
-        torch.distributed.all_reduce(sums)  # the local norms' mean; the others are equal
+        torch.distributed.all_reduce(sums)  # the ranks' local estimates' mean
         sums /= trainer.world_size
         self.sums.zero_()
         steps = round(float(sums[2]))
         if not steps:
             return
-        grad_sq, trace = unbiased([float(sums[0]) / steps], [float(sums[1]) / steps],
-                                  self.small_batch, self.big_batch)
-        value = ratio_of_means(grad_sq, trace)
+        grad_sq, trace = float(sums[0]) / steps, float(sums[1]) / steps
+        value = trace / grad_sq if grad_sq > 0 else None
         self.by_epoch.append({"epoch": trainer.current_epoch, "b_simple": value, "steps": steps,
-                              "grad_sq": float(grad_sq[0]), "trace": float(trace[0])})
+                              "grad_sq": grad_sq, "trace": trace})
         if value is not None:
             pl_module.log("train/noise_scale", value, on_step=False, on_epoch=True)
 
@@ -334,6 +353,16 @@ class NoiseScaleLog(Callback):
 
     def load_state_dict(self, state_dict):
         self.by_epoch = state_dict.get("by_epoch", [])
+
+
+def loss_scale(trainer, device):
+    """The AMP loss scale of 16-mixed (a tensor on the device), None without one. GradScaler's
+    get_scale() would copy it to the host, a synchronisation per step."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = scaler._get_scale_async()
+    return None if scale is None else scale.to(device)
 
 
 class ValidateAtStepBudget(Callback):

@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ log = logging.getLogger("imgclf.train")
 
 # Keys that do not change what is learned: editing them keeps last.ckpt resumable.
 RESUME_NEUTRAL = ("save_top_k", "log_every_n_steps", "compile", "cudnn_benchmark",
-                  "limit_val_batches", "noise_scale")
+                  "limit_val_batches", "noise_scale", "collective_timeout_minutes")
 # How the process that decided hands its decision to the ranks Lightning's launcher starts
 # (they inherit its environment).
 DECISION_ENV = "IMGCLF_RESUME_DECISION"
@@ -71,32 +72,38 @@ def find_resume(ckpt_dir: Path, digest: str) -> dict:
                     f"its training digest matches"}
 
 
-def agreed_resume(ckpt_dir: Path, digest: str, backend: str) -> dict:
-    """find_resume as decided by global rank 0, on every rank."""
+def agreed_resume(ckpt_dir: Path, digest: str, backend: str, timeout: timedelta) -> dict:
+    """find_resume as decided by global rank 0, on every rank. `timeout`: of the collectives
+    of the process group that ranks started by srun make here."""
     inherited = os.environ.get(DECISION_ENV)
     if inherited:
         decision = json.loads(inherited)
         if decision["decided_by"] == os.getppid() and decision["digest"] == digest:
             return decision  # a rank Lightning's launcher started from the deciding process
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return _broadcast_from_rank_zero(lambda: find_resume(ckpt_dir, digest), backend)
+        return _broadcast_from_rank_zero(lambda: find_resume(ckpt_dir, digest), backend, timeout)
     decision = {**find_resume(ckpt_dir, digest), "decided_by": os.getpid(), "digest": digest}
     os.environ[DECISION_ENV] = json.dumps(decision)
     return decision
 
 
-def _broadcast_from_rank_zero(decide, backend: str) -> dict:
-    """srun started every rank at once: join the process group now (Lightning finds it
-    initialised and reuses it) and take rank 0's decision."""
+def _broadcast_from_rank_zero(decide, backend: str, timeout: timedelta) -> dict:
+    """srun started every rank at once: join the process group now and take rank 0's decision.
+    Lightning then finds the group initialised and keeps it as it is: so it gets here what
+    Lightning's DDPStrategy would give it, the training's `timeout` (torch's own default for
+    NCCL is 10 minutes) and, under NCCL, the rank's `device_id` (the communicator bound to its
+    GPU at once, not at its first collective)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     env = SLURMEnvironment()
+    device = {}
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank())
+        device = {"device_id": torch.device("cuda", env.local_rank())}
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend, init_method=f"tcp://{env.main_address}:{env.main_port}",
-            world_size=env.world_size(), rank=env.global_rank())
+            world_size=env.world_size(), rank=env.global_rank(), timeout=timeout, **device)
     box = [decide() if env.global_rank() == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]

@@ -1,0 +1,128 @@
+"""Where users submit: every job of hardware entries of 1 GPU, 4 GPUs and 2 nodes of 8 GPUs, and
+of entries of CPU ranks on 1 and 2 nodes, as the rules ask Slurm for it, and the sbatch lines
+the plugin builds from those requests (any machine); then those lines judged by the real
+slurmctld of the throw-away cluster (slurm_cluster.py), without running them: its partition of
+typed GPUs accepts every job of the GPU entries, its CPU partition, which has no GPU, every job
+of the CPU entries, and it refuses a GPU request there; and a one-task entry's training run
+through the cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import copy_workflow, snakemake
+from imgclf import settings, slurm
+from slurm_cluster import (CLUSTER_YAML, GPU_PARTITION, entry, jobs_under_slurm, rules_submitted,
+                           run_slurm, sacct, sbatch_test_only, slurm_job_of, submit_line,
+                           with_profile)
+
+# One A10G on a node of 8 CPUs (g5.2xlarge), g5 as configured (4 x A10G), p4 on two nodes, and
+# the test cluster's entries of CPU ranks on 1 and 2 nodes (CLUSTER_YAML).
+SHAPES_YAML = CLUSTER_YAML.split("\nloader:")[0] + """
+  a10g1: {gpus_per_node: 1, gpu_model: A10G, gpu_memory_gb: 24, nodes: 1, cpus_per_node: 8,
+          ram_gb: 32}
+  p4x2: {gpus_per_node: 8, gpu_model: A100, gpu_memory_gb: 40, nodes: 2, cpus_per_node: 96,
+         ram_gb: 1152}
+"""
+GPU_ENTRIES = {"a10g1": ("a10g", 1), "g5": ("a10g", 4), "p4x2": ("a100", 8)}
+CPU_ENTRIES = ("ci1x1", "ci2x1")
+# the jobs that run on the entry's GPUs: one GPU each, or the training's shape
+ONE_GPU = {"lr_find", "noise_scale", "solve_memory", "evaluate"}
+TRAINING = {"train_model", "validate_lr_run"}
+GPU_REQUEST = re.compile(r" --gpus=| --gres=gpu")
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """{entry: (every job it plans through evaluation and the LR validation, as (rule, sbatch
+    line))}, and the folder the lines run in."""
+    work = copy_workflow(tmp_path_factory.mktemp("shapes") / "wf")
+    (work / "shapes.yaml").write_text(SHAPES_YAML)
+    forecast = work / "forecast.json"  # the training's time: 10 h by a forecast
+    forecast.write_text(json.dumps({"total_s": 36000}))
+    config = settings.load([work / "shapes.yaml"])
+    lines = {}
+    for entry in (*GPU_ENTRIES, *CPU_ENTRIES):
+        hw = settings.cluster(config, entry)
+        lines[entry] = []
+        for job in jobs_under_slurm(work, entry, "all", f"results/lr/{entry}_validation.json",
+                                    configfiles=["shapes.yaml"]):
+            res = job["resources"]
+            if job["rule"] == "train_model":  # computed from its forecast, not yet made
+                res.update(runtime=slurm.train_runtime(str(forecast), hw),
+                           slurm_extra=slurm.train_slurm_extra(str(forecast), hw))
+            line = submit_line(with_profile(job["rule"], res), job["threads"],
+                               GPU_PARTITION if entry in GPU_ENTRIES else "debug", str(work))
+            lines[entry].append((job["rule"], line))
+    return work, lines
+
+
+def test_every_job_asks_for_the_entrys_gpus_or_none(planned):
+    """Each GPU job of a GPU entry names its GPU type and count (one per one-device job, the
+    entry's per node for its trainings, with a task each under one srun); no other job, and no
+    job of an entry of CPU ranks, asks for a GPU, which a CPU partition would refuse."""
+    _, lines = planned
+    for entry, (kind, per_node) in GPU_ENTRIES.items():
+        rules = {rule for rule, _ in lines[entry]}
+        assert ONE_GPU | TRAINING <= rules, (entry, rules)
+        for rule, line in lines[entry]:
+            if rule in ONE_GPU:
+                assert line.endswith(f" --gpus={kind}:1"), (entry, line)
+            elif rule in TRAINING:
+                assert f"--gres=gpu:{kind}:{per_node}" in line and "--gpus" not in line, line
+            else:
+                assert not GPU_REQUEST.search(line), (entry, line)
+    for entry in CPU_ENTRIES:
+        assert not [line for _, line in lines[entry] if GPU_REQUEST.search(line)], entry
+        assert {"lr_find", "noise_scale", *TRAINING} <= {rule for rule, _ in lines[entry]}
+
+
+def test_the_cluster_accepts_every_job_of_each_shape(cluster, planned):
+    """slurmctld's verdict on each line: GPU entries in the partition of typed GPUs (8 a100 and
+    4 a10g per node), CPU entries in the CPU partition."""
+    work, lines = planned
+    refused = []
+    for entry, jobs in lines.items():
+        for rule, line in jobs:
+            res = sbatch_test_only(line, work)
+            if res.returncode:
+                refused.append((entry, rule, line, res.stderr.strip()))
+    assert not refused, refused
+
+
+def test_the_cluster_refuses_a_gpu_job_in_the_cpu_partition(cluster, planned):
+    """The judge can say no: a one-GPU job sent to the CPU partition, and a training that asks
+    more GPUs of a type than a node has."""
+    work, lines = planned
+    lr_run = next(line for rule, line in lines["a10g1"] if rule == "lr_find")
+    res = sbatch_test_only(lr_run.replace(f" -p {GPU_PARTITION}", " -p debug"), work)
+    assert res.returncode and "Requested node configuration is not available" in res.stderr
+    training = next(line for rule, line in lines["g5"] if rule == "train_model")
+    res = sbatch_test_only(training.replace("gpu:a10g:4", "gpu:a10g:8"), work)
+    assert res.returncode and "Requested node configuration is not available" in res.stderr
+
+
+def test_a_one_task_entry_trains_in_an_srun_step_of_its_own(slurm_demo):
+    """One CPU rank on one node (as one GPU would be): the plugin refuses an MPI job of one
+    task, so the job asks for no task count, its job step runs the rule's command as it is, and
+    the rule's srun starts the one rank in a step of its own, which Slurm's requeue signal
+    reaches (the job's batch shell it would not)."""
+    work, _ = slurm_demo
+    # the stages before training on this machine (only the training's submission is the point)
+    res = snakemake(work, "results/forecast/ci1x1.json", *entry(cluster="ci1x1"))
+    assert res.returncode == 0, res.stderr[-4000:]
+    rc, out = run_slurm(work, "train", cluster="ci1x1")
+    assert rc == 0, out[-6000:]
+    assert rules_submitted(out) == {"train_model"}, out[-3000:]
+    summary = json.loads((work / "results/train/ci1x1/train_summary.json").read_text())
+    [rank] = summary["ranks"]
+    job = slurm_job_of(out, "train_model")
+    assert (rank["slurm"]["job_id"], rank["slurm"]["ntasks"]) == (job, "1"), rank
+    step = f"{job}.{rank['slurm']['step_id']}"
+    [record] = [r for r in sacct(job, steps=True) if r["JobID"] == step]
+    assert (record["NTasks"], record["State"]) == ("1", "COMPLETED"), record
+    assert summary["cluster_environment"] == "SLURMEnvironment"
+    assert summary["loader"]["num_workers"] == 2  # fork-server workers, as a real plan's
