@@ -4,7 +4,9 @@ import sys
 
 from snakemake.utils import min_version
 
-from imgclf import settings, slurm, stage
+from imgclf import settings, slices, stage
+from imgclf.slurm import jobs as slurm_jobs
+from imgclf.slurm import plugin as slurm_plugin
 from imgclf.errors import UserError
 
 min_version("9.0")
@@ -27,7 +29,7 @@ except UserError as e:
 # `gpu` pool from the user (--resources gpu=N, or a profile), the pool is the GPUs detected here,
 # so no more GPU jobs run at once than there are GPUs (each then claims its own; see
 # imgclf.devices). Under Slurm the scheduler gives each job its GPUs instead (see the function).
-slurm.declare_gpu_pool(workflow)
+slurm_jobs.declare_gpu_pool(workflow)
 
 
 # `snakemake --lint` asks every rule for a conda environment or a container. Deliberately none:
@@ -49,12 +51,12 @@ include: "workflow/rules/report.smk"
 
 # Let the Slurm executor plugin see a cancelled job end (parsed before the executor is chosen;
 # the plugin is a dependency of the package, and this only wraps its status query)
-slurm.job_states_without_who()
+slurm_plugin.job_states_without_who()
 
 
 onerror:
     # a job Slurm removed before it started has no log of its own: say why here
-    for sentence in slurm.deadline_sentences(log):
+    for sentence in slurm_plugin.deadline_sentences(log):
         print(sentence, file=sys.stderr)
 
 

@@ -134,7 +134,7 @@ def ensure_tree(root: Path, classes: int, train_files: int, val_per_class: int, 
 PREPARE = r"""
 import json, random, sys, time
 from imgclf import index, settings
-from imgclf.hydration import census
+from imgclf import census
 root, scratch, released, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 start = time.perf_counter()
 cen = census.walk(root)
@@ -163,7 +163,8 @@ def hwm_kb():  # peak RSS of this process since its exec (ru_maxrss also carries
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
 start = time.perf_counter()
-from imgclf.hydration import census, storage
+from imgclf import census
+from imgclf.hydration import storage
 imported = time.perf_counter()
 hwm_imports = hwm_kb()
 cen = census.walk(sys.argv[1])
@@ -179,8 +180,8 @@ print(json.dumps({"import_s": imported - start, "census_s": walked - imported,
                   "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
-WALK_ONLY = "import sys; from imgclf.hydration import census; census.walk(sys.argv[1])"
-IMPORT_ONLY = "import sys; from imgclf.hydration import census"
+WALK_ONLY = "import sys; from imgclf import census; census.walk(sys.argv[1])"
+IMPORT_ONLY = "import sys; from imgclf import census"
 
 BUILD = r"""
 import json, sys, time
@@ -449,7 +450,7 @@ def main(argv=None) -> int:
     rate, rates = decode_rate(jpegs, max(args.repeats, 5))
     if not (args.demo / "train").is_dir():
         from imgclf import demo_data
-        demo_data.build(args.demo)
+        demo_data.run(args.demo)
     demo = sorted(str(p) for p in args.demo.rglob("*.jpg"))
     demo_rate, demo_rates = decode_rate(demo, max(args.repeats, 5))
     print(f"\ndecode rate per core of integrity.check_image (one process, one thread; "

@@ -6,7 +6,7 @@ On the demo digits, with a budget short enough that the LR matters (2 epochs; at
 1. runs the memory solve in a scratch copy of the workflow (never in the repository's results/);
 2. runs LR range tests with the package's `lr_find.find` (the pipeline's range test) for
    `--seeds` pipeline seeds of `lr_finder.runs` runs each, and for each seed the pipeline's
-   choice (`lr_find.summarize`: log-median of the runs, scaled to the global batch), with the
+   choice (`lr_summary.summarize`: log-median of the runs, scaled to the global batch), with the
    default suggestion (`minimum`) and with `steepest`, the default before this benchmark;
 3. reads two single-run suggestions from the first run of each seed, scaled the same way:
    torch-lr-finder's `LRFinder.plot(suggest_lr=True)` (steepest per point over the whole window,
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from imgclf import lr_find, recipes, settings
-from imgclf.plan import Plan
+from imgclf import lr_find, lr_summary, recipes, settings, slices
+from imgclf.artifacts import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -106,14 +106,14 @@ def prepare(work: Path) -> dict:
 
 def range_tests(work: Path, config: dict, plan: Plan, n: int) -> list[dict]:
     """`n` range tests (run i has seed lr_finder.seed + i), cached as JSON in `work`."""
-    cfg = {k: config["lr_finder"][k] for k in settings.RANGE_TEST_KEYS}
-    source = str(work / settings.index_files("local")["train"])
+    cfg = {k: config["lr_finder"][k] for k in slices.RANGE_TEST_KEYS}
+    source = str(work / slices.index_files("local")["train"])
     runs = []
     for i in range(n):
         path = work / "bench" / "range" / f"run{i}.json"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            hw = settings.device_entry(config, "local")
+            hw = slices.device_entry(config, "local")
             path.write_text(json.dumps(lr_find.find(source, config["model"], hw, plan, cfg, i,
                                                     threads=2)))
         runs.append(json.loads(path.read_text()))
@@ -125,7 +125,7 @@ def train(work: Path, config: dict, lr: float, reference: float, seed: int) -> d
     m = lr / reference
     out = work / "bench" / "train" / f"lr{lr:.5g}_s{seed}"
     if not (out / "train_summary.json").is_file():
-        params = settings.validate_lr_run_params(config, "local", m)
+        params = slices.validate_lr_run_params(config, "local", m)
         params["train"] = {**params["train"], "lr_source": "recipe", "seed": seed}
         params["validation"]["budget"] = {"epochs": BUDGET_EPOCHS}
         subprocess.run([str(BIN / "imgclf"), "train", "--params-json", json.dumps(params),
@@ -151,7 +151,7 @@ def interpolated(lr: float, grid: list[float], acc: list[float]) -> float:
 
 
 def spread_text(values: list[float]) -> str:
-    sp = lr_find.spread(values)
+    sp = lr_summary.spread(values)
     return f"x{sp['max_over_min']:.2f} (geo. std x{sp['geometric_std']:.2f})"
 
 
@@ -175,18 +175,18 @@ def main() -> None:
     per_seed = config["lr_finder"]["runs"]
     runs = range_tests(args.work, config, plan, args.seeds * per_seed)
     t_range = time.perf_counter() - start
-    summary_cfg = settings.lr_summary_params(config, "local")["cfg"]
+    summary_cfg = slices.lr_summary_params(config, "local")["cfg"]
     recipe = recipes.get(config["model"]["recipe"])
     chosen, steepest, tlf, valley = [], [], [], []
     for s in range(args.seeds):
         own = runs[s * per_seed:(s + 1) * per_seed]
-        summary = lr_find.summarize(own, plan, summary_cfg, recipe.name)
+        summary = lr_summary.summarize(own, plan, summary_cfg, recipe.name)
         chosen.append(summary["training_lr"])
-        steepest.append(lr_find.summarize(own, plan, {**summary_cfg, "suggestion": "steepest"},
+        steepest.append(lr_summary.summarize(own, plan, {**summary_cfg, "suggestion": "steepest"},
                                           recipe.name)["training_lr"])
         to_global = summary["training_lr"] / summary["chosen_lr"]
         h = own[0]["history"]
-        tlf.append(to_global * lr_find.suggest_steepest(h["lr"], h["smoothed_loss"], 10, 5,
+        tlf.append(to_global * lr_summary.suggest_steepest(h["lr"], h["smoothed_loss"], 10, 5,
                                                         gradient="index", until_minimum=False))
         valley.append(to_global * fastai_valley(h["lr"], h["loss"], len(h["lr"])))
     reference = summary["reference_lr"]

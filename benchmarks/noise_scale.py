@@ -42,19 +42,19 @@ FASHION = HERE / "data" / "fashion-mnist"
 
 def context(work: Path) -> dict:
     """What the measurements read of the workflow at `work`: its plan, LR summary and data."""
-    from imgclf import settings
-    from imgclf.plan import LRSummary, Plan
+    from imgclf import settings, slices
+    from imgclf.artifacts import LRSummary, Plan
 
     config = settings.load([work / "bench.yaml"])
     return {"plan": Plan.read(work / "results/memory/local.json", "local"),
             "lr": LRSummary.read(work / "results/lr/local_summary.json"),
-            "source": settings.index_files("local")["train"], "model": config["model"],
+            "source": slices.index_files("local")["train"], "model": config["model"],
             "hw": settings.cluster(config, "local")}
 
 
 def spread(c: dict, seeds: int, steps: int, accumulate: int) -> dict:
     """B_simple from the first n steps, per seed."""
-    from imgclf import noise_scale
+    from imgclf import gradient_noise, noise_scale
 
     counts = sorted({n for n in (5, 10, 20, 30, steps) if n <= steps})
     by_n: dict[int, list[dict]] = {n: [] for n in counts}
@@ -64,7 +64,7 @@ def spread(c: dict, seeds: int, steps: int, accumulate: int) -> dict:
                                 threads=2)
         h = m["history"]
         for n in counts:
-            by_n[n].append(noise_scale.estimate(h["small_sq"][:n], h["big_sq"][:n],
+            by_n[n].append(gradient_noise.estimate(h["small_sq"][:n], h["big_sq"][:n],
                                                 m["small_batch"], m["big_batch"], seed=seed))
     return {"by_n": by_n, "batches": (m["small_batch"], m["big_batch"])}
 
@@ -84,11 +84,12 @@ def steps_to_target(c: dict, batch: int, target: float, max_steps: int,
     """Steps of single-process SGD at `batch` (the same gradient as the ranks' all-reduced
     one), constant LR linearly scaled from the chosen one (the model's regime below the noise
     scale), until the validation loss is at most `target`; None if not within `max_steps`."""
-    from imgclf import data, lr_find, noise_scale, recipes
+    from imgclf import data, lr_scaling, noise_scale, one_device, recipes
 
     plan, lr = c["plan"], c["lr"]
-    run = lr_find.one_device_run(c["source"], c["model"], c["hw"], plan, batch, 0, 0, 2)
-    step_lr = lr_find.scale_lr(lr.chosen_lr, lr.finder_batch, batch, "linear")
+    run = one_device.one_device_run(c["source"], c["model"], c["hw"], plan, batch, 0,
+                                    "the benchmark", 2)
+    step_lr = lr_scaling.scale_lr(lr.chosen_lr, lr.finder_batch, batch, "linear")
     opt = recipes.build_optimizer(run.net, run.recipe, lr=step_lr)
     val = data.loader(data.val_dataset(c["source"], plan.decoder, c["model"]["resolution"],
                                        run.recipe), 256, 0, None, shuffle=False)

@@ -205,7 +205,7 @@ def submit_line(resources: dict, threads: int = 2, partition: str = "debug",
 def jobs_under_slurm(work: Path, entry: str, *targets: str, configfiles=()) -> list[dict]:
     """Each job a dry run plans for hardware entry `entry` (rule, threads, resources), with the
     resources its rules ask for under Slurm: a dry run of the Snakemake inside a Slurm job (its
-    remote mode, SLURM_JOB_ID set), where slurm.on_slurm holds as in the Snakemake that submits
+    remote mode, SLURM_JOB_ID set), where slurm_jobs.on_slurm holds as in the Snakemake that submits
     the job; a plain dry run evaluates the rules for this machine. Resources computed from an
     input that does not exist yet (the training's time, from its forecast) are left out."""
     res = subprocess.run([SNAKEMAKE, "-n", "--mode", "remote", *targets,

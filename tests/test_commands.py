@@ -245,7 +245,7 @@ def test_real_run_as_typed(command, work, real_runs):
 
 
 def assert_batch_follows_the_plan(work: Path, entry: str, summarized: bool) -> None:
-    from imgclf import lr_find, settings
+    from imgclf import lr_scaling, settings
 
     cluster = settings.cluster(settings.load(), entry)
     devices = int(cluster["devices_per_node"]) * int(cluster["nodes"])
@@ -255,7 +255,7 @@ def assert_batch_follows_the_plan(work: Path, entry: str, summarized: bool) -> N
     if summarized:
         s = json.loads((work / f"results/lr/{entry}_summary.json").read_text())
         assert s["global_batch"] == plan["global_batch"], (entry, s["global_batch"])
-        assert s["training_lr"] == pytest.approx(lr_find.scale_lr(
+        assert s["training_lr"] == pytest.approx(lr_scaling.scale_lr(
             s["chosen_lr"], s["lr_finder_effective_batch"], plan["global_batch"], s["scaling"]))
 
 

@@ -250,7 +250,7 @@ def check_params(**overrides) -> dict:
 
 def run_check(root: Path, out: Path, **overrides) -> dict:
     out.mkdir()
-    return hydration.run_stage(
+    return hydration.run(
         root, check_params(**overrides), 0.0, "local", out / "c.json", out / "c.verdict.json",
         out / "c.png", out / "c.excluded.txt", {s: out / f"c.{s}.tsv" for s in ("train", "val")})
 

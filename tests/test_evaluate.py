@@ -64,13 +64,13 @@ def checkpoint(demo_root, tmp_path_factory) -> Path:
     """A real Lightning checkpoint of the training module after a few steps at 16 px."""
     import lightning.pytorch as L
 
-    from imgclf import train
+    from imgclf.train import module as train_module
 
     root = str(demo_root)
-    train_set, val_set = train.datasets({"train": root, "val": root}, "pil", 16, "demo")
-    module = train.ImageClassifier("resnet18", train_set.classes, "demo", lr=0.05,
+    train_set, val_set = train_module.datasets({"train": root, "val": root}, "pil", 16, "demo")
+    module = train_module.ImageClassifier("resnet18", train_set.classes, "demo", lr=0.05,
                                    warmup_epochs=0, train_digest="test")
-    dm = train.ImageData(train_set, val_set, "demo", batch_size=32, num_workers=0,
+    dm = train_module.ImageData(train_set, val_set, "demo", batch_size=32, num_workers=0,
                          prefetch_factor=None, pin_memory=False, seed=0)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=6,
                         limit_val_batches=0, logger=False, enable_checkpointing=False,

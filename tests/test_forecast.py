@@ -12,7 +12,7 @@ import pytest
 
 from imgclf import forecast, hardware, report_tables
 from imgclf.errors import UserError
-from imgclf.plan import Plan
+from imgclf.artifacts import Plan
 from imgclf.train import summary as after
 
 G5 = {"name": "g5", "gpus_per_node": 4, "gpu_model": "A10G", "gpu_memory_gb": 24, "nodes": 1,
@@ -71,7 +71,9 @@ def test_cost_only_from_a_price_the_user_gave():
 
 
 def base_fields(f: dict) -> dict:
+    """What forecast.run adds to plan_forecast's figures (its sentence among them)."""
     return {"forecast_for_entry": True, "per_device_batch": 64, "world_size": 4, "cluster": "g5",
+            "sentence": forecast.sentence(f),
             "scaling_efficiency": {"value": 1.0, "source": "one device"},
             "step_timing": {"compute_s": 0.1, "eval_s": 0.03, "source": "the LR runs"},
             "excludes": "start-up", "loader_note": None}
@@ -137,7 +139,7 @@ def test_the_scaling_efficiency_says_where_it_comes_from():
 MEASURE_CPU_RANKS = """
 import json
 from imgclf import forecast
-from imgclf.plan import Plan
+from imgclf.artifacts import Plan
 plan = Plan(path="m.json", cluster="g5", per_device_batch=8, accumulate_grad_batches=1,
             devices_per_node=2, nodes=1, num_workers=0, prefetch_factor=2, decoder="pil")
 print(json.dumps(forecast.measure_cpu_ranks({"arch": "resnet18", "recipe": "demo",

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from imgclf import memory, recipes, settings
+from imgclf import memory, recipes, settings, slices
 from test_memory import RESNET50_AMP, loader_report
 from test_train import BIN, cli_train, write_inputs
 
@@ -97,7 +97,7 @@ def one_gpu_entry() -> dict:
 LR_FIND = """
 import json, math, sys
 from imgclf import lr_find, settings
-from imgclf.plan import Plan
+from imgclf.artifacts import Plan
 source, hw = sys.argv[1], json.loads(sys.argv[2])
 model = {"arch": "resnet18", "recipe": "torchvision_v2", "resolution": 64,
          "precision": "16-mixed", "channels_last": True}
@@ -115,7 +115,7 @@ def test_lr_finder_on_one_gpu_in_16_mixed_with_channels_last(demo_root):
 
     from imgclf import devices
 
-    hw = {k: one_gpu_entry()[k] for k in settings.DEVICE_KEYS}
+    hw = {k: one_gpu_entry()[k] for k in slices.DEVICE_KEYS}
     assert devices.CLAIM_ENV not in os.environ  # nothing for the run to inherit
     started = time.time()
     res = subprocess.run([sys.executable, "-c", LR_FIND, str(demo_root), json.dumps(hw)],

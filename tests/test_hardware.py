@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from conftest import REPO, one_sentence
-from imgclf import hardware, memory, settings, slurm
+from imgclf import hardware, memory, settings, slices
+from imgclf.slurm import jobs as slurm_jobs
 
 A100_UUID = "GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77"
 MIG_UUID = "MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f"
@@ -96,7 +97,7 @@ def test_auto_entry_resolves_in_gb(nvidia_smi, monkeypatch):
 
 
 def test_slurm_memory_request_converts_gb_to_slurms_mib():
-    layout = slurm.train_layout({"nodes": 1, "devices_per_node": 8, "gpus_per_node": 8,
+    layout = slurm_jobs.train_layout({"nodes": 1, "devices_per_node": 8, "gpus_per_node": 8,
                                  "cpus_per_node": 96, "ram_gb": 100})
     # 90 % of 100 GB = 90e9 bytes = 85830 MiB (Slurm's MB), not 92160
     assert layout["mem_mb_per_node"] == 85830
@@ -499,7 +500,7 @@ def test_each_single_device_stage_refuses_emulated_bf16_before_it_starts(demo_ro
     one sentence, on this machine too (their plan is p3's), before any model is built."""
     from imgclf import evaluate, lr_find, noise_scale
 
-    p3 = settings.device_entry(settings.load(), "p3")
+    p3 = slices.device_entry(settings.load(), "p3")
     model = {"arch": "resnet18", "recipe": "demo", "resolution": 16, "precision": "bf16-mixed",
              "channels_last": False}
     with pytest.raises(hardware.UserError, match="use `model.precision: 16-mixed`"):
@@ -543,8 +544,9 @@ def test_the_measured_solve_claims_its_gpu_and_checks_the_build_first(solve_clai
 
 def claim_then_check(stage: str, demo_root):
     """Start `stage` of p3 (one device of it: training too) until it checks the torch build."""
-    from imgclf import evaluate, lr_find, noise_scale, train
-    from imgclf.plan import Plan
+    from imgclf import evaluate, lr_find, noise_scale
+    from imgclf.train import job as train_job
+    from imgclf.artifacts import Plan
 
     p3 = {**entry("p3"), "gpus_per_node": 1, "devices_per_node": 1}
     model = {**SMALL_16, "precision": "32", "resolution": 16}
@@ -556,7 +558,7 @@ def claim_then_check(stage: str, demo_root):
             "noise scale": lambda: noise_scale.measure(str(demo_root), model, p3, plan, None,
                                                        cfg),
             "evaluation": lambda: evaluate.pick_device(p3, "32"),
-            "training": lambda: train.check_hardware(p3, "32")}[stage]()
+            "training": lambda: train_job.check_hardware(p3, "32")}[stage]()
 
 
 @pytest.mark.parametrize("stage", ["LR run", "noise scale", "evaluation", "training"])

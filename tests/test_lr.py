@@ -18,9 +18,9 @@ import yaml
 from PIL import Image
 
 from conftest import REPO, SMALL_MODEL, snakemake
-from imgclf import lr_find, settings
+from imgclf import lr_find, lr_scaling, lr_summary, settings, slices
 from imgclf.errors import UserError
-from imgclf.plan import Plan
+from imgclf.artifacts import Plan
 
 LRS = np.logspace(-5, 1, 121)  # 20 points per decade
 
@@ -28,15 +28,15 @@ LRS = np.logspace(-5, 1, 121)  # 20 points per decade
 def test_steepest_finds_known_steepest_point():
     x = np.log10(LRS)
     loss = 3 - np.tanh((x + 2) / 0.4) + np.where(x > 0, 50 * x**2, 0)  # falls fastest at 1e-2
-    assert lr_find.suggest_steepest(LRS, loss, 10, 5) == pytest.approx(1e-2)
+    assert lr_summary.suggest_steepest(LRS, loss, 10, 5) == pytest.approx(1e-2)
 
 
 def test_steepest_ignores_the_diverging_tail_until_minimum():
     x = np.log10(LRS)
     loss = 3 - np.tanh((x + 3) / 0.5) + np.where(x > -1, 40 * (x + 1) ** 2, 0)
     loss[-12] -= 30  # a wild swing after divergence would be "steepest" over the whole window
-    assert lr_find.suggest_steepest(LRS, loss, 10, 5) == pytest.approx(1e-3)
-    assert lr_find.suggest_steepest(LRS, loss, 10, 5, until_minimum=False) > 1
+    assert lr_summary.suggest_steepest(LRS, loss, 10, 5) == pytest.approx(1e-3)
+    assert lr_summary.suggest_steepest(LRS, loss, 10, 5, until_minimum=False) > 1
 
 
 def test_valley_on_hand_made_curve():
@@ -44,7 +44,7 @@ def test_valley_on_hand_made_curve():
     losses = [3, 4, 9, 8, 7, 6, 5, 4, 3, 2, 5, 8]
     # longest descent: 4 (index 1) is left out; 9..2 runs from index 2 to 9, so fastai's
     # max_start = 9 - 8 = 1, thirds of 8/3 -> index 1 + 2 + 1 = 4
-    assert lr_find.suggest_valley(lrs, losses, 0, 0) == lrs[4]
+    assert lr_summary.suggest_valley(lrs, losses, 0, 0) == lrs[4]
 
 
 def test_minimum_is_a_tenth_of_the_lr_at_the_lowest_loss():
@@ -52,8 +52,8 @@ def test_minimum_is_a_tenth_of_the_lr_at_the_lowest_loss():
     loss = 3 - np.tanh((x + 2) / 0.4) + np.where(x > -1, 40 * (x + 1) ** 2, 0)  # lowest near 0.1
     lowest = LRS[10:-5][int(np.argmin(loss[10:-5]))]
     assert 0.05 < lowest < 0.2
-    assert lr_find.suggest_minimum(LRS, loss, 10, 5) == pytest.approx(lowest / 10)
-    assert lr_find.suggest_minimum(LRS[:12], loss[:12], 10, 5) is None  # too few points
+    assert lr_summary.suggest_minimum(LRS, loss, 10, 5) == pytest.approx(lowest / 10)
+    assert lr_summary.suggest_minimum(LRS[:12], loss[:12], 10, 5) is None  # too few points
 
 
 def test_non_finite_losses_are_dropped_first():
@@ -62,11 +62,11 @@ def test_non_finite_losses_are_dropped_first():
     with_bad = loss.copy()
     with_bad[[30, 31, 100]] = [np.nan, np.inf, np.nan]
     keep = np.isfinite(with_bad)
-    expected = lr_find.suggest_steepest(LRS[keep], loss[keep], 10, 5)
-    assert lr_find.suggest_steepest(LRS, with_bad, 10, 5) == expected
-    assert lr_find.suggest_valley(LRS, with_bad, 10, 5) == \
-        lr_find.suggest_valley(LRS[keep], loss[keep], 10, 5)
-    assert lr_find.suggest_steepest(LRS[:20], [np.nan] * 20, 10, 5) is None
+    expected = lr_summary.suggest_steepest(LRS[keep], loss[keep], 10, 5)
+    assert lr_summary.suggest_steepest(LRS, with_bad, 10, 5) == expected
+    assert lr_summary.suggest_valley(LRS, with_bad, 10, 5) == \
+        lr_summary.suggest_valley(LRS[keep], loss[keep], 10, 5)
+    assert lr_summary.suggest_steepest(LRS[:20], [np.nan] * 20, 10, 5) is None
 
 
 def test_steepest_matches_torch_lr_finder_plot_in_library_convention():
@@ -88,7 +88,7 @@ def test_steepest_matches_torch_lr_finder_plot_in_library_convention():
     fig, ax = plt.subplots()
     _, library_lr = finder.plot(skip_start=5, skip_end=3, ax=ax, suggest_lr=True)
     plt.close(fig)
-    ours = lr_find.suggest_steepest(finder.history["lr"], finder.history["loss"], 5, 3,
+    ours = lr_summary.suggest_steepest(finder.history["lr"], finder.history["loss"], 5, 3,
                                     gradient="index", until_minimum=False)
     assert ours == library_lr
 
@@ -110,7 +110,7 @@ def fake_run(run, steepest, nonfinite_at=None):
             "history": {"lr": LRS.tolist(), "smoothed_loss": loss, "loss": loss}}
 
 
-CFG = {k: settings.section({}, "lr_finder")[k] for k in settings.SUMMARY_KEYS}
+CFG = {k: settings.section({}, "lr_finder")[k] for k in slices.SUMMARY_KEYS}
 CFG["scaling"] = "linear"
 CFG["suggestion"] = "steepest"  # the fake curves below are made by where they fall fastest
 GRID = 10 ** 0.05  # ratio of neighbouring LRs of the fake curves: a suggestion is within it
@@ -125,7 +125,7 @@ def plan(global_batch: int) -> Plan:
 def test_aggregation_log_median_spread_and_excluded_run():
     runs = [fake_run(0, 0.01), fake_run(1, 0.04), fake_run(2, 0.02),
             fake_run(3, 0.5, nonfinite_at=10)]  # NaN at lr ~3e-5, before its suggestion
-    s = lr_find.summarize(runs, plan(256), CFG, "goyal")
+    s = lr_summary.summarize(runs, plan(256), CFG, "goyal")
     assert s["chosen_lr"] == pytest.approx(0.02, rel=GRID - 1)
     assert s["valid_runs"] == 3
     assert [r["excluded"] for r in s["runs"]] == [False, False, False, True]
@@ -143,45 +143,45 @@ def test_suggestion_rules_are_applied_by_the_summary():
     """The same recorded curves read with other rules give other suggestions: the reading is
     the summary's (so editing it never reruns a range test)."""
     runs = [fake_run(0, 0.01), fake_run(1, 0.02)]
-    steep = lr_find.summarize(runs, plan(64), CFG, "goyal")
-    valley = lr_find.summarize(runs, plan(64), {**CFG, "suggestion": "valley"}, "goyal")
+    steep = lr_summary.summarize(runs, plan(64), CFG, "goyal")
+    valley = lr_summary.summarize(runs, plan(64), {**CFG, "suggestion": "valley"}, "goyal")
     assert steep["method"] == "steepest" and valley["method"] == "valley"
     assert valley["chosen_lr"] != steep["chosen_lr"]
-    assert all(r["suggestions"]["valley"] == lr_find.suggest_valley(
+    assert all(r["suggestions"]["valley"] == lr_summary.suggest_valley(
         LRS, f["history"]["smoothed_loss"], CFG["skip_start"], CFG["skip_end"])
         for r, f in zip(valley["runs"], runs))
 
 
 def test_spread_limit_warns_or_fails():
     runs = [fake_run(0, 0.001), fake_run(1, 0.1)]
-    s = lr_find.summarize(runs, plan(256), CFG, "goyal")
+    s = lr_summary.summarize(runs, plan(256), CFG, "goyal")
     assert any("disagree" in w for w in s["warnings"])
     with pytest.raises(UserError, match="lr_finder.spread_limit"):
-        lr_find.summarize(runs, plan(256), {**CFG, "on_spread": "fail"}, "goyal")
+        lr_summary.summarize(runs, plan(256), {**CFG, "on_spread": "fail"}, "goyal")
     with pytest.raises(UserError, match="No LR-finder run"):
-        lr_find.summarize([fake_run(0, None)], plan(256), CFG, "goyal")
+        lr_summary.summarize([fake_run(0, None)], plan(256), CFG, "goyal")
 
 
 def test_scaling_rules():
-    assert lr_find.scale_lr(0.1, 64, 256, "linear") == pytest.approx(0.4)
-    assert lr_find.scale_lr(0.1, 64, 256, "sqrt") == pytest.approx(0.2)
-    assert lr_find.scale_lr(0.1, 64, 256, "none") == pytest.approx(0.1)
+    assert lr_scaling.scale_lr(0.1, 64, 256, "linear") == pytest.approx(0.4)
+    assert lr_scaling.scale_lr(0.1, 64, 256, "sqrt") == pytest.approx(0.2)
+    assert lr_scaling.scale_lr(0.1, 64, 256, "none") == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("recipe, rule, factor", [("goyal", "linear", 4.0),
                                                    ("torchvision_v2", "linear", 4.0),
                                                    ("rsb_a2", "sqrt", 2.0)])
 def test_auto_scaling_follows_the_optimizer_and_says_why(recipe, rule, factor):
-    s = lr_find.summarize([fake_run(0, 0.01)], plan(256), {**CFG, "scaling": "auto"}, recipe)
+    s = lr_summary.summarize([fake_run(0, 0.01)], plan(256), {**CFG, "scaling": "auto"}, recipe)
     assert s["scaling"] == rule and s["training_lr"] == pytest.approx(factor * s["chosen_lr"])
     assert "lr_finder.scaling: auto" in s["scaling_reason"]
     assert ("adaptive" in s["scaling_reason"]) == (rule == "sqrt")
-    forced = lr_find.summarize([fake_run(0, 0.01)], plan(256), {**CFG, "scaling": "none"}, recipe)
+    forced = lr_summary.summarize([fake_run(0, 0.01)], plan(256), {**CFG, "scaling": "none"}, recipe)
     assert forced["scaling"] == "none" and "set by" in forced["scaling_reason"]
 
 
 def test_torchvision_v2_reference_lr_at_global_batch():
-    s = lr_find.summarize([fake_run(0, 0.1)], plan(512), CFG, "torchvision_v2")
+    s = lr_summary.summarize([fake_run(0, 0.1)], plan(512), CFG, "torchvision_v2")
     assert s["reference_lr"] == pytest.approx(0.5 * 512 / 1024)
 
 
@@ -252,7 +252,7 @@ def test_lr_stage_runs_for_real_and_is_reproducible(workflow_copy):
     # each run read from its file with the stage's settings; the chosen LR their geometric
     # median over the runs not excluded
     cfg = {**settings.load()["lr_finder"], **yaml.safe_load(FAST)["lr_finder"]}
-    assert summary["runs"] == [lr_find.read_curve(r, cfg) for r in runs]
+    assert summary["runs"] == [lr_summary.read_curve(r, cfg) for r in runs]
     valid = [r["suggestions"][summary["method"]] for r in summary["runs"] if not r["excluded"]]
     assert summary["valid_runs"] == len(valid) >= 2
     assert summary["chosen_lr"] == pytest.approx(math.exp(statistics.median(

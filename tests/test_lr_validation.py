@@ -14,9 +14,11 @@ import pytest
 from PIL import Image
 
 from conftest import FAST_YAML, one_sentence, snakemake
-from imgclf import lr_validation, recipes, settings, train
+from imgclf import (artifacts, lr_grid, lr_validation, lr_validation_edge, recipes, settings,
+                    slices)
+from imgclf.train import learning_rate as train_learning_rate
 from imgclf.errors import UserError
-from imgclf.plan import Plan
+from imgclf.artifacts import Plan
 
 
 def run(multiple, val_loss, val_acc1=0.5, base=0.1):
@@ -75,14 +77,19 @@ def write_run(folder, multiple, val_loss, val_acc1, base=0.1):
     return path
 
 
+# an LR summary as summarize_lr writes it, what the aggregate reads of it
+LR_SUMMARY = {"chosen_lr": 0.05, "training_lr": 0.1, "lr_finder_effective_batch": 32,
+              "global_batch": 64, "scaling": "linear"}
+
+
 def test_aggregate_of_hand_made_runs_with_a_diverged_one(tmp_path):
     """The JSON and plot from train summaries, a NaN loss among them (as json writes it)."""
     summary = tmp_path / "local_summary.json"
-    summary.write_text(json.dumps({"training_lr": 0.1, "global_batch": 64}))
+    summary.write_text(json.dumps(LR_SUMMARY))
     paths = [write_run(tmp_path, 0.5, 0.52, 0.81), write_run(tmp_path, 1.0, 0.50, 0.83),
              write_run(tmp_path, 4.0, math.nan, 0.1)]
     out, png = tmp_path / "v.json", tmp_path / "v.png"
-    result = lr_validation.summarize(paths, summary, [0.5, 4], 0.1, out, png)
+    result = lr_validation.run(paths, summary, [0.5, 4], 0.1, out, png)
     assert json.loads(out.read_text())["verdict"] == result["verdict"] == "ok"
     assert result["chosen_rank"] == 1 and result["of"] == 3 and result["runs"][2]["lr"] == 0.4
     assert result["provenance"]["config_digest"] and str(summary) in result["provenance"]["inputs"]
@@ -94,19 +101,19 @@ def test_aggregate_of_hand_made_runs_with_a_diverged_one(tmp_path):
     with Image.open(png) as img:
         assert img.format == "PNG"
     with pytest.raises(UserError, match="No LR validation run for multiple.s. 2 of"):
-        lr_validation.summarize(paths, summary, [0.5, 2, 4], 0.1, out, png)
+        lr_validation.run(paths, summary, [0.5, 2, 4], 0.1, out, png)
     with pytest.raises(UserError, match="does not exist: run `snakemake"):
-        lr_validation.summarize([tmp_path / "x8/train_summary.json"], summary, [8], 0.1, out,
+        lr_validation.run([tmp_path / "x8/train_summary.json"], summary, [8], 0.1, out,
                                 png)
 
 
 def test_aggregate_records_the_extra_multiples_and_a_best_still_at_the_edge(tmp_path):
     """Two edge steps added 2x and 4x, and 4x is still the best: the verdict says so."""
     summary = tmp_path / "local_summary.json"
-    summary.write_text(json.dumps({"training_lr": 0.1, "global_batch": 64}))
+    summary.write_text(json.dumps(LR_SUMMARY))
     paths = [write_run(tmp_path, m, loss, 0.8)
              for m, loss in ((0.5, 0.7), (1.0, 0.5), (2.0, 0.45), (4.0, 0.4))]
-    result = lr_validation.summarize(paths, summary, [0.5], 0.1, tmp_path / "v.json",
+    result = lr_validation.run(paths, summary, [0.5], 0.1, tmp_path / "v.json",
                                      tmp_path / "v.png")
     assert result["extension"]["side"] == "top"
     assert result["extension"]["extra_multiples"] == [2.0, 4.0]
@@ -196,40 +203,40 @@ def test_the_search_stops_when_its_steps_are_used_up():
 def test_an_edge_step_writes_its_decision_for_the_next(tmp_path):
     paths = [write_run(tmp_path, m, loss, 0.8) for m, loss in ((0.5, 0.7), (1.0, 0.5))]
     out = tmp_path / "edge0.json"
-    d = lr_validation.decide_edge(paths, out)
-    assert lr_validation.read_edge(out) == 2.0 and (d["side"], d["why"]) == ("top", "edge")
+    d = lr_validation_edge.run(paths, out)
+    assert artifacts.edge_step(out) == 2.0 and (d["side"], d["why"]) == ("top", "edge")
     assert json.loads(out.read_text())["reason"] == ("The best, 1x, is the largest multiple so "
                                                      "far: next 2x.")
     paths.append(write_run(tmp_path, 2.0, 0.6, 0.8))
-    assert lr_validation.decide_edge(paths, out)["why"] == "bracketed"
-    assert lr_validation.read_edge(out) is None
+    assert lr_validation_edge.run(paths, out)["why"] == "bracketed"
+    assert artifacts.edge_step(out) is None
     out.write_text("{}")
     with pytest.raises(UserError, match="is not an LR validation edge step: delete it"):
-        lr_validation.read_edge(out)
+        artifacts.edge_step(out)
 
 
 # --- grid, budget, schedule, config slices -----------------------------------------------------
 
 def test_grid_always_holds_the_chosen_lr_and_names_are_stable():
-    assert lr_validation.grid([4, 0.25, 2]) == [0.25, 1.0, 2.0, 4.0]
-    assert [lr_validation.multiple_name(m) for m in (0.25, 1.0, 4)] == ["0.25", "1", "4"]
+    assert lr_grid.grid([4, 0.25, 2]) == [0.25, 1.0, 2.0, 4.0]
+    assert [lr_grid.multiple_name(m) for m in (0.25, 1.0, 4)] == ["0.25", "1", "4"]
 
 
 def test_budget_takes_steps_over_epochs_over_fraction():
     cfg = {"steps": None, "epochs": None, "fraction": 0.1}
-    assert lr_validation.budget(cfg) == {"fraction": 0.1}
-    assert lr_validation.budget({**cfg, "epochs": 2}) == {"epochs": 2}
-    assert lr_validation.budget({**cfg, "epochs": 2, "steps": 30}) == {"steps": 30}
-    assert lr_validation.run_length({"budget": {"fraction": 0.1}}, 90) == (9, None)
-    assert lr_validation.run_length({"budget": {"fraction": 0.1}}, 4) == (1, None)
-    assert lr_validation.run_length({"budget": {"steps": 30}}, 90) == (30, 30)
+    assert lr_grid.budget(cfg) == {"fraction": 0.1}
+    assert lr_grid.budget({**cfg, "epochs": 2}) == {"epochs": 2}
+    assert lr_grid.budget({**cfg, "epochs": 2, "steps": 30}) == {"steps": 30}
+    assert lr_grid.run_length({"budget": {"fraction": 0.1}}, 90) == (9, None)
+    assert lr_grid.run_length({"budget": {"fraction": 0.1}}, 4) == (1, None)
+    assert lr_grid.run_length({"budget": {"steps": 30}}, 90) == (30, 30)
     # the compressed schedule warms up for the recipe's share of its run: goyal 5 of 90 epochs
-    assert lr_validation.warmup_fraction(recipes.get("goyal"), 90) == pytest.approx(5 / 90)
+    assert lr_grid.warmup_fraction(recipes.get("goyal"), 90) == pytest.approx(5 / 90)
 
 
 def test_run_slices_leave_out_what_the_runs_do_not_read():
     config = settings.load(overrides={"validate_lr": {"multiples": [0.5, 1, 2], "steps": 5}})
-    base = settings.validate_lr_run_params(config, "local", "2")
+    base = slices.validate_lr_run_params(config, "local", "2")
     assert base["validation"] == {"budget": {"steps": 5}, "multiple": 2.0}
     assert base["train"]["lr_source"] == "lr_finder" and base["train"]["seed"] == 0
     assert base["train"]["save_top_k"] == 1
@@ -238,8 +245,8 @@ def test_run_slices_leave_out_what_the_runs_do_not_read():
                                   "extend_steps": 5}}):
         edited = settings.load(overrides=settings._merge(
             {"validate_lr": {"multiples": [0.5, 1, 2], "steps": 5}}, edit))
-        assert settings.validate_lr_run_params(edited, "local", "2") == base, edit
-    assert settings.lr_validation_params(config, "local") == {"multiples": [0.5, 1.0, 2.0],
+        assert slices.validate_lr_run_params(edited, "local", "2") == base, edit
+    assert slices.lr_validation_params(config, "local") == {"multiples": [0.5, 1.0, 2.0],
                                                               "tolerance": 0.1}
     assert config["validate_lr"]["extend_steps"] == 2  # the schema's default
     with pytest.raises(UserError, match="`validate_lr.extend_steps` is -1"):
@@ -261,14 +268,14 @@ def write_validation(path, global_batch=64):
 def test_lr_source_validation_takes_the_grids_best(tmp_path):
     path = tmp_path / "local_validation.json"
     write_validation(path)
-    lr = train.resolve_lr("validation", path, recipes.get("demo"), PLAN)
+    lr = train_learning_rate.resolve_lr("validation", path, recipes.get("demo"), PLAN)
     assert lr["source"] == "validation" and lr["value"] == pytest.approx(0.2)
     assert lr["multiple"] == 2 and lr["lr_finder_lr"] == 0.1 and lr["file"] == str(path)
     write_validation(path, global_batch=128)
     with pytest.raises(UserError, match="global batch 128 but the memory solve plans 64"):
-        train.resolve_lr("validation", path, recipes.get("demo"), PLAN)
+        train_learning_rate.resolve_lr("validation", path, recipes.get("demo"), PLAN)
     with pytest.raises(UserError, match=r"does not exist: run `snakemake .*lr_source"):
-        train.resolve_lr("validation", tmp_path / "missing.json", recipes.get("demo"), PLAN)
+        train_learning_rate.resolve_lr("validation", tmp_path / "missing.json", recipes.get("demo"), PLAN)
 
 
 # --- the stage for real ------------------------------------------------------------------------
@@ -320,7 +327,7 @@ def test_stage_writes_the_grid_verdict_and_plot(validated):
     assert v["verdict"] == ("ok" if expect_ok else "warn") and v["reason"].endswith(".")
     assert set(v["provenance"]["inputs"]) >= {"results/lr/local_summary.json"}
     for m in multiples:  # each a real training with the plan's batch and world, 3 steps
-        run_dir = validated / VALIDATE / f"x{lr_validation.multiple_name(m)}"
+        run_dir = validated / VALIDATE / f"x{lr_grid.multiple_name(m)}"
         s = json.loads((run_dir / "train_summary.json").read_text())
         assert s["world_size"] == 2 and s["per_device_batch"] == memory["per_device_batch"]
         assert s["total_steps"] == 3 and s["completed"] and s["validation"]["max_steps"] == 3
@@ -347,7 +354,7 @@ def test_stage_follows_a_best_at_the_grids_edge(validated):
     step = json.loads((validated / VALIDATE / "edge0.json").read_text())
     assert (step["multiple"], step["side"], step["why"]) == (extra, side, "edge")
     assert not (validated / VALIDATE / "edge1.json").exists()  # extend_steps: 1
-    name = lr_validation.multiple_name(extra)
+    name = lr_grid.multiple_name(extra)
     if ranked(losses)[0] == extra:
         assert not e["bracketed"] and e["bracketed_by"] is None
         assert (f"still at the edge after 1 extra multiple ({name}x, "

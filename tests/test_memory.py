@@ -16,7 +16,7 @@ from torch import nn
 from conftest import BIN, one_sentence
 from imgclf import hardware, memory, recipes, settings
 from imgclf.errors import UserError
-from imgclf.plan import Plan
+from imgclf.artifacts import Plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # bf16-mixed: the same 2-byte activations as 16-mixed (the linear-stack test checks that both

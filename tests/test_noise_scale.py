@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from imgclf import noise_scale
+from imgclf import forecast as forecasting
+from imgclf import gradient_noise, noise_scale
 
 
 def synthetic_norms(mean: np.ndarray, std: np.ndarray, batch: int, accumulate: int, steps: int,
@@ -37,7 +38,7 @@ def test_the_estimate_finds_a_noise_scale_set_by_hand():
     mean[0] = 1.0
     std = np.full(200, 2.0)
     small, big = synthetic_norms(mean, std, batch=32, accumulate=4, steps=400)
-    est = noise_scale.estimate(small, big, 32, 128)
+    est = gradient_noise.estimate(small, big, 32, 128)
     assert est["b_simple"] == pytest.approx(800, rel=0.10)
     lo, hi = est["interval_68"]
     assert lo < est["b_simple"] < hi
@@ -49,8 +50,8 @@ def test_the_estimate_finds_a_noise_scale_set_by_hand():
 
 def test_more_steps_narrow_the_interval():
     mean, std = np.r_[1.0, np.zeros(99)], np.full(100, 2.0)
-    few = noise_scale.estimate(*synthetic_norms(mean, std, 16, 4, 25, seed=1), 16, 64)
-    many = noise_scale.estimate(*synthetic_norms(mean, std, 16, 4, 400, seed=1), 16, 64)
+    few = gradient_noise.estimate(*synthetic_norms(mean, std, 16, 4, 25, seed=1), 16, 64)
+    many = gradient_noise.estimate(*synthetic_norms(mean, std, 16, 4, 400, seed=1), 16, 64)
     assert many["stderr"] < few["stderr"] / 2
 
 
@@ -58,7 +59,7 @@ def test_pure_noise_gives_no_noise_scale_or_a_huge_one_and_says_what_to_raise():
     """|G|^2 = 0: its estimate straddles 0, so B_simple is none (a mean that is not positive)
     or far above the batches measured (a small positive mean by chance: here at least 5 times
     the larger); over 20 seeds both happen."""
-    estimates = [noise_scale.estimate(*synthetic_norms(np.zeros(50), np.ones(50), 8, 4, 40,
+    estimates = [gradient_noise.estimate(*synthetic_norms(np.zeros(50), np.ones(50), 8, 4, 40,
                                                        seed=seed), 8, 32)["b_simple"]
                  for seed in range(20)]
     finite = [b for b in estimates if b is not None]
@@ -88,13 +89,13 @@ def test_the_forecast_prices_the_other_device_counts():
     adv = noise_scale.advice(256, 4, 1024)
     forecast = {"forecast_for_entry": True, "total_s": 7200, "device_hours": 8.0,
                 "price_per_hour": 16.0, "world_size": 4, "nodes": 1}
-    priced = noise_scale.with_forecast(adv, forecast)
+    priced = forecasting.with_forecast(adv, forecast)
     twice = next(o for o in priced["options"] if o["devices"] == 8)
     assert twice["hours"] == pytest.approx(2 * twice["time"])
     assert twice["device_hours"] == pytest.approx(8.0 * twice["cost"], rel=1e-3)
     assert twice["cost_money"] == pytest.approx(twice["device_hours"] * 4.0, rel=1e-3)
     # no forecast for the entry: the model's ratios only
-    assert noise_scale.with_forecast(adv, {"forecast_for_entry": False}) == adv
+    assert forecasting.with_forecast(adv, {"forecast_for_entry": False}) == adv
 
 
 # --- the DDP hook on 2 gloo ranks ---------------------------------------------------------------
@@ -120,7 +121,7 @@ def _rank(rank: int, store: str, results) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     model = torch.nn.parallel.DistributedDataParallel(tiny_model(), bucket_cap_mb=0.0001)
-    hook = noise_scale.NormHook(torch.device("cpu"))
+    hook = gradient_noise.NormHook(torch.device("cpu"))
     model.register_comm_hook(None, hook.all_reduce)
     x, y = batch_of(rank)
     torch.nn.functional.cross_entropy(model(x), y).backward()

@@ -147,16 +147,18 @@ def test_config_edit_plans_exactly_its_dependents(demo_run, tmp_path, case):
 
 
 CODE_CASES = {
-    "hydration/census.py": ("hydration/census.py", (), HYDRATION),
+    "census.py": ("census.py", (), HYDRATION),
     # index.py is also an input of every stage after the check, which a dry run plans only
     # once the check (a checkpoint) has run
     "index.py": ("index.py", (), HYDRATION),
     "loader_bench/timing.py": ("loader_bench/timing.py", (), LOADER),
     "memory/solve.py": ("memory/solve.py", (), MEMORY),
     "lr_find.py": ("lr_find.py", (), LR),
-    "plan.py (read by the LR runs and after)": ("plan.py", (), LR),
+    # the readers of every artifact: the decode paths a plan names too, which the loader
+    # benchmark's data sets take
+    "artifacts.py (read from the loader benchmark on)": ("artifacts.py", (), LOADER),
     "train/module.py": ("train/module.py", (), TRAIN),
-    "lr_validation.py (imported by training)": ("lr_validation.py", (), TRAIN),
+    "lr_grid.py (imported by training)": ("lr_grid.py", (), TRAIN),
     "evaluate.py": ("evaluate.py", (), EVAL),
     "forecast.py": ("forecast.py", (), FORECAST),
     "noise_scale.py": ("noise_scale.py", (), NOISE),

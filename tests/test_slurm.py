@@ -22,9 +22,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
-from imgclf import forecast, hardware, settings, slurm
+from imgclf import forecast, hardware, settings
+from imgclf.slurm import jobs as slurm_jobs
+from imgclf.slurm import plugin as slurm_plugin
+from imgclf.slurm import step as slurm_step
+from imgclf.slurm import task as slurm_task
 from slurm_cluster import (LOCAL, NODES, SPARE, SPARE_NODES, TRAIN_DIR, UPSTREAM, jobs_of,
                            rules_submitted, run_slurm, sacct, slurm_job_of,
                            slurm_jobs_of, submit_line, with_profile)
@@ -41,16 +44,17 @@ def sbatch_line(cluster: dict, resources: dict | None = None, rule: str = "train
     """The sbatch command the Slurm plugin builds from a job's resources (by default the
     training job's), completed by profiles/slurm."""
     if resources is None:
-        resources = slurm.train_resources(cluster, True)
+        resources = slurm_jobs.train_resources(cluster, True)
     return submit_line(with_profile(rule, resources))
 
 
 # --- the layout (no cluster needed) ------------------------------------------------------------
 
 def test_p4_on_two_nodes_asks_for_one_task_per_gpu():
-    r = slurm.train_resources(P4X2, True)
-    assert r["launch"] == r["mpi"] == (f"{slurm.STEP_RUNNER} srun --nodes=2 --ntasks-per-node=8 "
-                                       "--cpus-per-task=12 --kill-on-bad-exit=1")
+    r = slurm_jobs.train_resources(P4X2, True)
+    assert r["launch"] == r["mpi"] == (f"{slurm_jobs.STEP_RUNNER} srun --nodes=2 "
+                                       "--ntasks-per-node=8 --cpus-per-task=12 "
+                                       "--kill-on-bad-exit=1")
     assert (r["nodes"], r["tasks_per_node"], r["tasks"], r["gres"]) == (2, 8, None, "gpu:a100:8")
     assert r["gpu"] is None and r["tasks_per_gpu"] == 0 and r["cpus_per_task"] == 12
     # 90 % of the node's 1152 GB, in Slurm's MB of 2**20 bytes
@@ -67,7 +71,7 @@ def test_a_rank_ignores_the_requeue_signal_once_it_exits():
     """A training rank under srun notes Slurm's SIGUSR1 while it runs; at exit it ignores it,
     because Python restores a handled signal's default action (ending the rank, failing the job
     that had just completed) as it shuts down."""
-    code = ("import atexit, signal; from imgclf import slurm; slurm.catch_requeue_signal(); "
+    code = ("import atexit, signal; from imgclf.slurm import requeue; requeue.catch_requeue_signal(); "
             "print(signal.getsignal(signal.SIGUSR1).__name__); atexit._run_exitfuncs(); "
             "print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -82,8 +86,9 @@ SIGNALLED_LOADER = """
 import signal, time
 import psutil, torch
 from torch.utils.data import TensorDataset
-from imgclf import data, slurm
-slurm.catch_requeue_signal()
+from imgclf import data
+from imgclf.slurm import requeue
+requeue.catch_requeue_signal()
 batches = iter(data.loader(TensorDataset(torch.arange(64.0)), 4, 2, 2, shuffle=False,
                            forkserver_preload=()))
 next(batches), next(batches)
@@ -91,7 +96,7 @@ me = psutil.Process()
 for process in [me, *me.children(recursive=True)]:
     process.send_signal(signal.SIGUSR1)
 time.sleep(0.5)
-print(2 + sum(1 for _ in batches), slurm.requeue_asked())
+print(2 + sum(1 for _ in batches), requeue.requeue_asked())
 """
 
 
@@ -112,8 +117,8 @@ def test_the_requeue_signal_leaves_a_ranks_fork_server_workers_loading():
 REQUEUED_RANK = """
 import logging, sys, time
 from pathlib import Path
-from imgclf import slurm
-slurm.catch_requeue_signal()
+from imgclf.slurm import requeue
+requeue.catch_requeue_signal()
 import lightning as L, torch
 from torch.utils.data import DataLoader, TensorDataset
 from imgclf.train.callbacks import RequeueAtTimeLimit
@@ -223,9 +228,9 @@ def test_training_asks_for_its_forecast_time_and_requeues_at_the_partition_limit
 
     def request(total_s):
         forecast.write_text(json.dumps({"total_s": total_s}))
-        res = {**slurm.train_resources(p4, True),
-               "runtime": slurm.train_runtime(str(forecast), p4),
-               "slurm_extra": slurm.train_slurm_extra(str(forecast), p4)}
+        res = {**slurm_jobs.train_resources(p4, True),
+               "runtime": slurm_jobs.train_runtime(str(forecast), p4),
+               "slurm_extra": slurm_jobs.train_slurm_extra(str(forecast), p4)}
         return res["runtime"], sbatch_line(p4, res)
 
     # 10 h by the forecast: 10 h x 1.25 + 10 min; one start, a day to begin
@@ -244,13 +249,13 @@ def test_training_asks_for_its_forecast_time_and_requeues_at_the_partition_limit
     # a short limit: the signal at half of it (Slurm may send it up to a minute early)
     short = {**p4, "slurm_time_limit_minutes": 2}
     forecast.write_text(json.dumps({"total_s": 600}))
-    assert slurm.train_runtime(str(forecast), short) == 2
-    assert "--signal=USR1@60 " in slurm.train_slurm_extra(str(forecast), short)
+    assert slurm_jobs.train_runtime(str(forecast), short) == 2
+    assert "--signal=USR1@60 " in slurm_jobs.train_slurm_extra(str(forecast), short)
 
 
 def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_takes_one_srun_task():
-    assert slurm.train_resources(CPU2, True)["launch"].startswith(
-        f"{slurm.STEP_RUNNER} srun --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 ")
+    assert slurm_jobs.train_resources(CPU2, True)["launch"].startswith(
+        f"{slurm_jobs.STEP_RUNNER} srun --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 ")
     line = sbatch_line(CPU2)
     assert "--ntasks-per-node=2" in line and "--cpus-per-task=1" in line, line
     assert "gpu" not in line, line
@@ -260,7 +265,7 @@ def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_takes_one_srun_task():
     one_gpu = {**P4X2, "nodes": 1, "gpus_per_node": 1, "devices_per_node": 1}
     one_cpu = {**CPU2, "cpu_processes": 1, "devices_per_node": 1}
     for entry, tasks in ((one_gpu, ""), (one_cpu, " --ntasks=1")):
-        r = slurm.train_resources(entry, True)
+        r = slurm_jobs.train_resources(entry, True)
         assert r["tasks"] is None and r["tasks_per_node"] is None and r["mpi"] == ""
         assert r["launch"].endswith(f"srun --nodes=1 --ntasks-per-node=1 --cpus-per-task="
                                     f"{entry['cpus_per_node']} --kill-on-bad-exit=1"), r
@@ -270,7 +275,7 @@ def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_takes_one_srun_task():
             assert ("--gres=gpu:a100:1" in line) == (entry is one_gpu), line
             assert re.findall(r" --ntasks=\d+", line) == re.findall(r" --ntasks=\d+", tasks), line
     two_nodes = {**P4X2, "gpus_per_node": 1, "devices_per_node": 1}
-    r = slurm.train_resources(two_nodes, True)
+    r = slurm_jobs.train_resources(two_nodes, True)
     assert (r["tasks"], r["tasks_per_node"], r["tasks_per_gpu"]) == (2, None, 0)
     assert "--ntasks=2" in sbatch_line(two_nodes)
 
@@ -278,8 +283,9 @@ def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_takes_one_srun_task():
 def test_outside_slurm_training_takes_the_local_gpu_pool_only():
     for entry in (P4X2, CPU2):  # the keys the training rules declare, in either mode
         for on_slurm in (True, False):
-            assert set(slurm.train_resources(entry, on_slurm)) == set(slurm.TRAIN_RESOURCE_KEYS)
-    r = slurm.train_resources(P4X2, False)
+            assert set(slurm_jobs.train_resources(entry, on_slurm)) == \
+                set(slurm_jobs.TRAIN_RESOURCE_KEYS)
+    r = slurm_jobs.train_resources(P4X2, False)
     assert r["gpu"] == 8 and r["launch"] == r["mpi"] == ""
     assert all(v is None for k, v in r.items() if k not in ("gpu", "launch", "mpi"))
 
@@ -288,8 +294,8 @@ def test_gpu_requests_name_the_entrys_gpu_type():
     """In a partition of mixed GPUs, a batch planned for an A100 40 GB must not land on a 16 GB
     card: every GPU request names the entry's GPU, as typed GRES or as a constraint."""
     # one-GPU jobs (LR-finder runs, the memory solve, evaluation): --gpus=<type>:1
-    one = slurm.gpu_resources(P4X2, 1, True)
-    assert set(one) == set(slurm.GPU_RESOURCE_KEYS)
+    one = slurm_jobs.gpu_resources(P4X2, 1, True)
+    assert set(one) == set(slurm_jobs.GPU_RESOURCE_KEYS)
     assert sbatch_line(P4X2, one, "lr_find").endswith(" --gpus=a100:1")
     # the site's own name for the type, and a constraint (node feature) instead of a type
     site = {**P4X2, "slurm_gpu_type": "nvidia_a100-sxm4-40gb".replace("-", "_")}
@@ -297,39 +303,40 @@ def test_gpu_requests_name_the_entrys_gpu_type():
     feature = {**P4X2, "slurm_gpu_request": "constraint"}
     line = sbatch_line(feature)
     assert "--gres=gpu:8" in line and " -C a100" in line, line
-    line = sbatch_line(feature, slurm.gpu_resources(feature, 1, True), "evaluate")
+    line = sbatch_line(feature, slurm_jobs.gpu_resources(feature, 1, True), "evaluate")
     assert " -C a100" in line and line.endswith(" --gpus=1"), line
     # a cluster whose GPUs have no types; an entry without GPUs; outside Slurm, only a count
     untyped = {**P4X2, "slurm_gpu_request": "untyped"}
     assert "--gres=gpu:8" in sbatch_line(untyped) and " -C " not in sbatch_line(untyped)
-    assert sbatch_line(CPU2, slurm.gpu_resources(CPU2, 1, True), "lr_find").endswith(" --gpus=1")
-    assert slurm.gpu_resources(P4X2, 1, False) == {"gpu": 1, "gpu_model": None, "constraint": None}
+    assert sbatch_line(CPU2, slurm_jobs.gpu_resources(CPU2, 1, True), "lr_find").endswith(" --gpus=1")
+    assert slurm_jobs.gpu_resources(P4X2, 1, False) == {"gpu": 1, "gpu_model": None,
+                                                        "constraint": None}
     # the entries of config/config.yaml, as the workflow resolves them
     config = settings.load()
     for name, kind in (("g5", "a10g"), ("p3", "v100"), ("p4", "a100")):
-        assert slurm.gpu_resources(settings.cluster(config, name), 1, True)["gpu_model"] == kind
+        assert slurm_jobs.gpu_resources(settings.cluster(config, name), 1, True)["gpu_model"] == kind
 
 
 def test_which_processes_run_under_slurm(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert slurm.on_slurm("slurm", False)
-    assert not slurm.on_slurm("local", False) and not slurm.on_slurm("local", True)
+    assert slurm_jobs.on_slurm("slurm", False)
+    assert not slurm_jobs.on_slurm("local", False) and not slurm_jobs.on_slurm("local", True)
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    assert slurm.on_slurm("slurm-jobstep", True) and slurm.on_slurm("local", True)
-    assert not slurm.on_slurm("local", False)  # a local run inside an salloc allocation
+    assert slurm_jobs.on_slurm("slurm-jobstep", True) and slurm_jobs.on_slurm("local", True)
+    assert not slurm_jobs.on_slurm("local", False)  # a local run inside an salloc allocation
 
 
 def test_cpu_ranks_share_the_cores_unless_slurm_bound_them(monkeypatch):
     cpus = hardware.usable_cpus()
     for var in ("SLURM_PROCID", "SLURM_CPUS_PER_TASK"):
         monkeypatch.delenv(var, raising=False)
-    assert slurm.cpu_threads_per_rank(2) == max(1, cpus // 2)
+    assert slurm_task.cpu_threads_per_rank(2) == max(1, cpus // 2)
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(cpus))  # bound: the affinity is its share
-    assert slurm.cpu_threads_per_rank(2) == cpus
+    assert slurm_task.cpu_threads_per_rank(2) == cpus
     if cpus > 1:
         monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")  # not bound: all tasks see every core
-        assert slurm.cpu_threads_per_rank(2) == max(1, cpus // 2)
+        assert slurm_task.cpu_threads_per_rank(2) == max(1, cpus // 2)
 
 
 def test_readme_shows_the_p4_2x8_lines_the_plugin_builds(tmp_path):
@@ -342,12 +349,13 @@ def test_readme_shows_the_p4_2x8_lines_the_plugin_builds(tmp_path):
     forecast = tmp_path / "forecast.json"  # the document's example: 20 hours by the forecast
     forecast.write_text(json.dumps({"total_s": 20 * 3600}))
     p4 = {**P4X2, "slurm_time_limit_minutes": 2880}
-    res = {**slurm.train_resources(p4, True), "runtime": slurm.train_runtime(str(forecast), p4),
-           "slurm_extra": slurm.train_slurm_extra(str(forecast), p4)}
+    res = {**slurm_jobs.train_resources(p4, True),
+           "runtime": slurm_jobs.train_runtime(str(forecast), p4),
+           "slurm_extra": slurm_jobs.train_slurm_extra(str(forecast), p4)}
     line = sbatch_line(p4, res).replace(" -D /w", "")  # the working directory: where you run it
     options = line[line.index(" -p "):]
     assert " ".join(m["sbatch"].split()) == " ".join(options.split()), (m["sbatch"], options)
-    assert m["srun"] == slurm.srun_command(P4X2) + " imgclf train ..."
+    assert m["srun"] == slurm_jobs.srun_command(P4X2) + " imgclf train ..."
 
 
 def test_the_task_that_ended_a_step_is_named_with_its_node_and_logs(monkeypatch):
@@ -356,16 +364,16 @@ def test_the_task_that_ended_a_step_is_named_with_its_node_and_logs(monkeypatch)
                   "srun: Terminating StepId=12.0\n",
                   "srun: error: imgclf-n1: task 0: Terminated\n"]
     # rank 0 may see the lost peer and report first: srun's own SIGTERM is not the cause
-    failure = slurm.first_failure(srun_lines[::-1])
+    failure = slurm_step.first_failure(srun_lines[::-1])
     assert failure == {"node": "imgclf-n2", "tasks": "1", "how": "Killed"}
     command = ["srun", "--nodes=2", "imgclf", "train", "--out-dir", "results/train/x",
                "--log", "logs/train/x.log"]
-    sentence = slurm.failure_sentence(failure, command, 137)
+    sentence = slurm_step.failure_sentence(failure, command, 137)
     assert sentence.startswith("Task 1 on node imgclf-n2 ended (Killed)"), sentence
     assert "logs/train/x.log" in sentence and "results/train/x/checkpoints/last.ckpt" in sentence
-    exited = slurm.first_failure(["srun: error: n3: tasks 4-7: Exited with exit code 1\n"])
+    exited = slurm_step.first_failure(["srun: error: n3: tasks 4-7: Exited with exit code 1\n"])
     assert exited == {"node": "n3", "tasks": "4-7", "how": "Exited with exit code 1"}
-    assert "before any task ended" in slurm.failure_sentence(None, command, 1)
+    assert "before any task ended" in slurm_step.failure_sentence(None, command, 1)
 
 
 def test_the_plugin_sees_a_job_cancelled_by_a_user_end():
@@ -377,8 +385,8 @@ def test_the_plugin_sees_a_job_cancelled_by_a_user_end():
 
     if not hasattr(plugin, "query_job_status"):
         pytest.skip("this version of the plugin keeps the first word of a state itself")
-    slurm.job_states_without_who()
-    slurm.job_states_without_who()  # once only
+    slurm_plugin.job_states_without_who()
+    slurm_plugin.job_states_without_who()  # once only
     command = "printf '41|CANCELLED by 0\\n42|COMPLETED\\n43|RUNNING\\n'"
     states, _ = asyncio.run(plugin.query_job_status(command, logging.getLogger("test")))
     assert states == {"41": "CANCELLED", "42": "COMPLETED", "43": "RUNNING"}
@@ -390,8 +398,8 @@ def test_a_job_removed_at_its_deadline_is_explained(tmp_path):
     log.write_text("Error in rule train_model:\n    message: SLURM-job '41' failed, SLURM status "
                    "is: 'DEADLINE'. Reason: Unknown.\nSLURM-job '41' failed, SLURM status is: "
                    "'DEADLINE'\nSLURM-job '7' failed, SLURM status is: 'FAILED'\n")
-    [sentence] = slurm.deadline_sentences([str(log)])  # as Snakemake 9 hands it to onerror
-    assert slurm.deadline_sentences(str(log)) == [sentence]
+    [sentence] = slurm_plugin.deadline_sentences([str(log)])  # as Snakemake 9 hands it to onerror
+    assert slurm_plugin.deadline_sentences(str(log)) == [sentence]
     assert sentence.startswith("Slurm job 41 could not start before its deadline"), sentence
     assert "sinfo -R" in sentence and "slurm_extra" in sentence
 

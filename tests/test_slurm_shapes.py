@@ -14,7 +14,8 @@ import re
 import pytest
 
 from conftest import copy_workflow, snakemake
-from imgclf import settings, slurm
+from imgclf import settings
+from imgclf.slurm import jobs as slurm_jobs
 from slurm_cluster import (CLUSTER_YAML, GPU_PARTITION, entry, jobs_under_slurm, rules_submitted,
                            run_slurm, sacct, sbatch_test_only, slurm_job_of, submit_line,
                            with_profile)
@@ -45,18 +46,18 @@ def planned(tmp_path_factory):
     forecast.write_text(json.dumps({"total_s": 36000}))
     config = settings.load([work / "shapes.yaml"])
     lines = {}
-    for entry in (*GPU_ENTRIES, *CPU_ENTRIES):
-        hw = settings.cluster(config, entry)
-        lines[entry] = []
-        for job in jobs_under_slurm(work, entry, "all", f"results/lr/{entry}_validation.json",
+    for name in (*GPU_ENTRIES, *CPU_ENTRIES):
+        hw = settings.cluster(config, name)
+        lines[name] = []
+        for job in jobs_under_slurm(work, name, "all", f"results/lr/{name}_validation.json",
                                     configfiles=["shapes.yaml"]):
             res = job["resources"]
             if job["rule"] == "train_model":  # computed from its forecast, not yet made
-                res.update(runtime=slurm.train_runtime(str(forecast), hw),
-                           slurm_extra=slurm.train_slurm_extra(str(forecast), hw))
+                res.update(runtime=slurm_jobs.train_runtime(str(forecast), hw),
+                           slurm_extra=slurm_jobs.train_slurm_extra(str(forecast), hw))
             line = submit_line(with_profile(job["rule"], res), job["threads"],
-                               GPU_PARTITION if entry in GPU_ENTRIES else "debug", str(work))
-            lines[entry].append((job["rule"], line))
+                               GPU_PARTITION if name in GPU_ENTRIES else "debug", str(work))
+            lines[name].append((job["rule"], line))
     return work, lines
 
 
@@ -65,19 +66,19 @@ def test_every_job_asks_for_the_entrys_gpus_or_none(planned):
     entry's per node for its trainings, with a task each under one srun); no other job, and no
     job of an entry of CPU ranks, asks for a GPU, which a CPU partition would refuse."""
     _, lines = planned
-    for entry, (kind, per_node) in GPU_ENTRIES.items():
-        rules = {rule for rule, _ in lines[entry]}
-        assert ONE_GPU | TRAINING <= rules, (entry, rules)
-        for rule, line in lines[entry]:
+    for name, (kind, per_node) in GPU_ENTRIES.items():
+        rules = {rule for rule, _ in lines[name]}
+        assert ONE_GPU | TRAINING <= rules, (name, rules)
+        for rule, line in lines[name]:
             if rule in ONE_GPU:
-                assert line.endswith(f" --gpus={kind}:1"), (entry, line)
+                assert line.endswith(f" --gpus={kind}:1"), (name, line)
             elif rule in TRAINING:
                 assert f"--gres=gpu:{kind}:{per_node}" in line and "--gpus" not in line, line
             else:
-                assert not GPU_REQUEST.search(line), (entry, line)
-    for entry in CPU_ENTRIES:
-        assert not [line for _, line in lines[entry] if GPU_REQUEST.search(line)], entry
-        assert {"lr_find", "noise_scale", *TRAINING} <= {rule for rule, _ in lines[entry]}
+                assert not GPU_REQUEST.search(line), (name, line)
+    for name in CPU_ENTRIES:
+        assert not [line for _, line in lines[name] if GPU_REQUEST.search(line)], name
+        assert {"lr_find", "noise_scale", *TRAINING} <= {rule for rule, _ in lines[name]}
 
 
 def test_the_cluster_accepts_every_job_of_each_shape(cluster, planned):
@@ -85,11 +86,11 @@ def test_the_cluster_accepts_every_job_of_each_shape(cluster, planned):
     4 a10g per node), CPU entries in the CPU partition."""
     work, lines = planned
     refused = []
-    for entry, jobs in lines.items():
+    for name, jobs in lines.items():
         for rule, line in jobs:
             res = sbatch_test_only(line, work)
             if res.returncode:
-                refused.append((entry, rule, line, res.stderr.strip()))
+                refused.append((name, rule, line, res.stderr.strip()))
     assert not refused, refused
 
 

@@ -17,9 +17,15 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from imgclf import forecast, recipes, settings, train
+from imgclf import forecast, recipes, settings
+from imgclf.train import callbacks as train_callbacks
+from imgclf.train import failures as train_failures
+from imgclf.train import job as train_job
+from imgclf.train import learning_rate as train_learning_rate
+from imgclf.train import module as train_module
+from imgclf.train import trainer as train_trainer
 from imgclf.errors import UserError
-from imgclf.plan import Plan
+from imgclf.artifacts import Plan
 from imgclf.train import resume
 from imgclf.train import module as schedule
 from imgclf.train import summary as after
@@ -61,7 +67,7 @@ def write_lr_summary(path: Path, training_lr, global_batch: int) -> None:
 
 def cli_train(params, memory, lr_summary, out_dir, *extra) -> list[str]:
     return [str(BIN / "imgclf"), "train", "--params-json", json.dumps(params), "--memory",
-            str(memory), "--lr-summary", str(lr_summary), "--out-dir", str(out_dir), *extra]
+            str(memory), "--lr-file", str(lr_summary), "--out-dir", str(out_dir), *extra]
 
 
 def val_rows(out_dir: Path) -> list[int]:
@@ -123,26 +129,26 @@ def plan_for(batch=32, world=2, accumulate=1) -> Plan:
 def test_lr_source_recipe_and_finder(tmp_path):
     rec = recipes.get("torchvision_v2")
     plan = plan_for(batch=128, world=2)  # global batch 256
-    r = train.resolve_lr("recipe", tmp_path / "absent.json", rec, plan)
+    r = train_learning_rate.resolve_lr("recipe", tmp_path / "absent.json", rec, plan)
     assert r["value"] == pytest.approx(0.5 * 256 / 1024) and r["source"] == "recipe"
     assert "linear scaling" in r["detail"]
     with pytest.raises(UserError, match="absent.json does not exist"):
-        train.resolve_lr("lr_finder", tmp_path / "absent.json", rec, plan)
+        train_learning_rate.resolve_lr("lr_finder", tmp_path / "absent.json", rec, plan)
     f = tmp_path / "lr.json"
     write_lr_summary(f, 0.37, 256)
-    r = train.resolve_lr("lr_finder", f, rec, plan)
+    r = train_learning_rate.resolve_lr("lr_finder", f, rec, plan)
     assert (r["value"], r["source"], r["scaling"]) == (0.37, "lr_finder", "linear")
     write_lr_summary(f, 0.37, 512)
     with pytest.raises(UserError, match="global batch 512 but the memory solve plans 256"):
-        train.resolve_lr("lr_finder", f, rec, plan)
+        train_learning_rate.resolve_lr("lr_finder", f, rec, plan)
     write_lr_summary(f, float("nan"), 256)
     with pytest.raises(UserError, match="not a positive number"):
-        train.resolve_lr("lr_finder", f, rec, plan)
+        train_learning_rate.resolve_lr("lr_finder", f, rec, plan)
 
 
 def test_recipe_lr_of_an_adaptive_optimizer_scales_by_the_square_root(tmp_path):
     rec = recipes.get("rsb_a2")  # LAMB, 5e-3 at 2048
-    r = train.resolve_lr("recipe", tmp_path / "absent.json", rec, plan_for(batch=256, world=2))
+    r = train_learning_rate.resolve_lr("recipe", tmp_path / "absent.json", rec, plan_for(batch=256, world=2))
     assert r["value"] == pytest.approx(5e-3 * (512 / 2048) ** 0.5) and "sqrt" in r["detail"]
 
 
@@ -238,8 +244,6 @@ def test_ranks_srun_started_wait_for_their_peers_as_long_as_configured(monkeypat
 def test_the_training_timeout_and_device_reach_both_process_groups(monkeypatch):
     """Under NCCL, srun's ranks bind their communicator to their GPU (device_id) and take the
     configured timeout, as Lightning's DDPStrategy does for the ranks it starts."""
-    from imgclf import train
-
     made = {}
     monkeypatch.setattr(resume.torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(resume.torch.distributed, "init_process_group",
@@ -255,11 +259,11 @@ def test_the_training_timeout_and_device_reach_both_process_groups(monkeypatch):
                  "SLURM_PROCID": "11", "SLURM_NODEID": "1"}.items():
         monkeypatch.setenv(k, v)
     t = settings.section({"train": {"collective_timeout_minutes": 45}}, "train")
-    resume.agreed_resume(None, "abc", "nccl", train.collective_timeout(t))
+    resume.agreed_resume(None, "abc", "nccl", train_job.collective_timeout(t))
     assert made["backend"] == "nccl" and made["timeout"] == timedelta(minutes=45)
     assert made["device_id"] == torch.device("cuda", 3) and made["set_device"] == 3
     assert (made["rank"], made["world_size"]) == (11, 16)
-    default = train.collective_timeout(settings.section({}, "train"))
+    default = train_job.collective_timeout(settings.section({}, "train"))
     assert default == timedelta(minutes=30)
 
 
@@ -322,10 +326,10 @@ def test_one_batch_smoke_each_recipe(recipe, demo_root, tmp_path):
 
     rec = recipes.get(recipe)
     root = str(demo_root)
-    train_set, val_set = train.datasets({"train": root, "val": root}, "tensor", 16, recipe)
-    module = train.ImageClassifier("resnet18", train_set.classes, recipe, lr=rec.lr,
+    train_set, val_set = train_module.datasets({"train": root, "val": root}, "tensor", 16, recipe)
+    module = train_module.ImageClassifier("resnet18", train_set.classes, recipe, lr=rec.lr,
                                    warmup_epochs=0)
-    dm = train.ImageData(train_set, val_set, recipe, batch_size=8, num_workers=0,
+    dm = train_module.ImageData(train_set, val_set, recipe, batch_size=8, num_workers=0,
                          prefetch_factor=None, pin_memory=False, seed=0)
     before = [p.detach().clone() for p in module.model.parameters()]
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=1,
@@ -353,8 +357,8 @@ def test_training_loader_workers_start_from_a_fork_server(demo_root):
     under Python 3.11 can hang in the child (CPython gh-112275): its loader workers are forked
     from a single-threaded fork server instead, and a batch arrives from one."""
     root = str(demo_root)
-    train_set, val_set = train.datasets({"train": root, "val": root}, "tensor", 16, "demo")
-    dm = train.ImageData(train_set, val_set, "demo", batch_size=4, num_workers=1,
+    train_set, val_set = train_module.datasets({"train": root, "val": root}, "tensor", 16, "demo")
+    dm = train_module.ImageData(train_set, val_set, "demo", batch_size=4, num_workers=1,
                          prefetch_factor=2, pin_memory=False, seed=0)
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
         assert loader.multiprocessing_context.get_start_method() == "forkserver"
@@ -481,18 +485,18 @@ def test_a_collective_that_failed_with_its_peer_is_told_apart():
     and NCCL's libraries) are another rank's failure, which reports its own error; a timeout
     (the peer may hang without one) and this rank's own error are not."""
     dist = torch.distributed
-    assert train.peer_failed(dist.DistNetworkError("failed to recv, got 0 bytes"))
-    assert train.peer_failed(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+    assert train_failures.peer_failed(dist.DistNetworkError("failed to recv, got 0 bytes"))
+    assert train_failures.peer_failed(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
                                           "Connection closed by peer [10.77.0.12]:48213"))
-    assert train.peer_failed(dist.DistBackendError(
+    assert train_failures.peer_failed(dist.DistBackendError(
         "NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network "
         "error, NCCL version 2.27.3\nncclRemoteError: A call failed possibly due to a network "
         "error or a remote process exiting prematurely."))
-    assert train.peer_failed(dist.DistBackendError("NCCL communicator was aborted on rank 3."))
-    assert not train.peer_failed(dist.DistBackendError(
+    assert train_failures.peer_failed(dist.DistBackendError("NCCL communicator was aborted on rank 3."))
+    assert not train_failures.peer_failed(dist.DistBackendError(
         "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
         "OpType=ALLREDUCE) ran for 1800000 milliseconds before timing out."))
-    assert not train.peer_failed(RuntimeError("CUDA error: an illegal memory access was "
+    assert not train_failures.peer_failed(RuntimeError("CUDA error: an illegal memory access was "
                                               "encountered"))
 
 
@@ -506,27 +510,27 @@ def test_trainer_options_follow_the_device():
     assert t["sync_batchnorm"] is False
 
     def job(cluster, **train_cfg):
-        return train.Job(params={"cluster": cluster, "model": {"precision": "32"}},
+        return train_job.Job(params={"cluster": cluster, "model": {"precision": "32"}},
                          t={**t, **train_cfg}, plan=plan_for(world=cluster["devices_per_node"]),
                          recipe=recipes.get("demo"), lr={}, epochs=1, out_dir=Path("out"),
                          digest="", resume={})
 
     gpu = {**CPU_CLUSTER, "name": "g5", "gpus_per_node": 4, "accelerator": "gpu",
            "devices_per_node": 4}
-    o = train.trainer_options(job(gpu))
+    o = train_trainer.trainer_options(job(gpu))
     assert isinstance(o["strategy"], DDPStrategy) and o["strategy"].process_group_backend == "nccl"
     assert o["sync_batchnorm"] is False and o["benchmark"] is True
-    assert train.trainer_options(job(gpu, collective_timeout_minutes=45))["strategy"]._timeout \
+    assert train_trainer.trainer_options(job(gpu, collective_timeout_minutes=45))["strategy"]._timeout \
         == timedelta(minutes=45)  # as srun's ranks get it (train/resume.py)
-    assert train.trainer_options(job(gpu, sync_batchnorm=True))["sync_batchnorm"] is True
+    assert train_trainer.trainer_options(job(gpu, sync_batchnorm=True))["sync_batchnorm"] is True
     mps = {**CPU_CLUSTER, "accelerator": "mps", "devices_per_node": 1}
-    o = train.trainer_options(job(mps))
+    o = train_trainer.trainer_options(job(mps))
     assert (o["accelerator"], o["devices"], o["strategy"]) == ("mps", 1, "auto")
-    assert isinstance(o["plugins"][0], train.AtomicCheckpointIO) and o["benchmark"] is None
+    assert isinstance(o["plugins"][0], train_callbacks.AtomicCheckpointIO) and o["benchmark"] is None
     assert job(mps).strategy == "single device (mps)" and job(gpu).strategy == "ddp (nccl)"
-    o = train.trainer_options(job(CPU_CLUSTER, sync_batchnorm=True))
+    o = train_trainer.trainer_options(job(CPU_CLUSTER, sync_batchnorm=True))
     assert o["strategy"].process_group_backend == "gloo" and o["sync_batchnorm"] is False
-    module = train.ImageClassifier("resnet18", ["a", "b"], "demo", 0.1, 0)
+    module = train_module.ImageClassifier("resnet18", ["a", "b"], "demo", 0.1, 0)
     assert not module.train_acc1.validate_args and not module.val_acc5.validate_args
 
 

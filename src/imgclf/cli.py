@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-from imgclf import settings, slurm, stage
+from imgclf import settings, slices, stage
+from imgclf.slurm import requeue
 
 
 def _common(p: argparse.ArgumentParser, cluster=True) -> None:
@@ -30,7 +31,7 @@ def cmd_demo_data(args):
     from imgclf import demo_data
 
     config = _config(args)
-    counts = demo_data.build(args.out or settings.DEMO_ROOT, **config["demo"])
+    counts = demo_data.run(args.out or settings.DEMO_ROOT, **config["demo"])
     print(json.dumps(counts))
 
 
@@ -39,12 +40,12 @@ def cmd_check_hydration(args):
 
     config = _config(args)
     name = config["cluster"]
-    p = settings.hydration_params(config, name)
+    p = slices.hydration_params(config, name)
     if args.restore:
         p["params"]["restore"] = True
     out = args.out or f"results/hydration/{name}.json"
     stem = out[:-len(".json")] if out.endswith(".json") else out
-    report = hydration.run_stage(**p, out=out, out_verdict=f"{stem}.verdict.json",
+    report = hydration.run(**p, out=out, out_verdict=f"{stem}.verdict.json",
                                  out_png=f"{stem}.png", out_excluded=f"{stem}.excluded.txt",
                                  out_index={s: f"{stem}.{s}.tsv" for s in ("train", "val")})
     print(f"verdict: {report['verdict']}; {report['excluded']} files excluded")
@@ -56,7 +57,7 @@ def cmd_benchmark_loader(args):
     config = _config(args)
     name = config["cluster"]
     out = args.out or f"results/loader/{name}"
-    report = loader_bench.run_stage(**settings.loader_params(config, name), out_json=f"{out}.json",
+    report = loader_bench.run(**slices.loader_params(config, name), out_json=f"{out}.json",
                                     out_csv=f"{out}.csv", out_png=f"{out}.png")
     print(json.dumps({"choice": report["choice"], "baseline": report["baseline"]}))
 
@@ -67,7 +68,7 @@ def cmd_solve_memory(args):
     config = _config(args)
     name = config["cluster"]
     out = args.out or f"results/memory/{name}"
-    report = memory.run_stage(**settings.memory_params(config, name),
+    report = memory.run(**slices.memory_params(config, name),
                               loader_json=args.loader or f"results/loader/{name}.json",
                               out_json=f"{out}.json", out_png=f"{out}.png")
     print(json.dumps({k: report[k] for k in (
@@ -112,13 +113,13 @@ def _stage_params(args, make) -> tuple[dict, str]:
 
 
 def cmd_train(args):
-    slurm.catch_requeue_signal()  # before the imports that take seconds
+    requeue.catch_requeue_signal()  # before the imports that take seconds
     from imgclf import train
 
-    params, name = _stage_params(args, settings.train_params)
-    default_lr = settings.lr_file(settings.section(params, "train")["lr_source"], name)
+    params, name = _stage_params(args, slices.train_params)
+    default_lr = slices.lr_file(settings.section(params, "train")["lr_source"], name)
     summary = train.run(params, args.memory or f"results/memory/{name}.json",
-                        args.lr_summary or default_lr,
+                        args.lr_file or default_lr,
                         args.out_dir or f"results/train/{name}", args.forecast)
     if summary is not None:  # global rank 0
         print(json.dumps({"best_val_acc1": summary["best"]["val_acc1"],
@@ -130,7 +131,7 @@ def cmd_train(args):
 def cmd_evaluate(args):
     from imgclf import evaluate
 
-    params, name = _stage_params(args, settings.evaluate_params)
+    params, name = _stage_params(args, slices.evaluate_params)
     report = evaluate.run(params, args.memory or f"results/memory/{name}.json",
                           args.checkpoint or f"results/train/{name}/best.ckpt",
                           args.out or f"results/eval/{name}.json",
@@ -153,13 +154,13 @@ def cmd_lr_find(args):
 
     config = _config(args)
     name = config["cluster"]
-    p = settings.lr_find_params(config, name)
+    p = slices.lr_find_params(config, name)
     memory = _upstream(args.memory or f"results/memory/{name}.json", f"results/memory/{name}.json")
     runs = args.runs or config["lr_finder"]["runs"]
     for run in range(runs):
         out = f"{args.out_dir or f'results/lr/{name}'}/run{run}.json"
-        result = lr_find.run_find(**p, memory_path=memory, run=run, out=out,
-                                  batch_size=args.batch_size)
+        result = lr_find.run(**p, memory_path=memory, run=run, out=out,
+                             batch_size=args.batch_size)
         print(f"{out}: {result['iterations']} iterations, diverged: {result['diverged']}, "
               f"{result['wall_time_s']} s")
 
@@ -167,7 +168,7 @@ def cmd_lr_find(args):
 def cmd_lr_summary(args):
     import glob
 
-    from imgclf import lr_find
+    from imgclf import lr_summary
 
     config = _config(args)
     name = config["cluster"]
@@ -178,9 +179,8 @@ def cmd_lr_summary(args):
 
         raise UserError(f"No LR-finder runs in {folder}: run `imgclf lr-find --cluster {name}` first.")
     memory = _upstream(args.memory or f"results/memory/{name}.json", f"results/memory/{name}.json")
-    summary = lr_find.run_summary(runs, memory, **settings.lr_summary_params(config, name),
-                                  out=f"{folder}_summary.json", plot=f"{folder}.png",
-                                  cluster=name)
+    summary = lr_summary.run(runs, memory, **slices.lr_summary_params(config, name),
+                             out=f"{folder}_summary.json", plot=f"{folder}.png", cluster=name)
     print(f"chosen LR {summary['chosen_lr']:.4g} (spread x{summary['spread']['max_over_min']:.2f}"
           f" over {summary['valid_runs']} runs); training LR {summary['training_lr']:.4g} at "
           f"global batch {summary['global_batch']} ({summary['scaling']}); recipe reference "
@@ -260,10 +260,10 @@ def _lr_commands(sub) -> None:
 def _ddp_commands(sub) -> None:
     p = sub.add_parser("train", help="DDP training (Lightning), resumes from last.ckpt")
     _ddp_common(p, "train")
-    p.add_argument("--lr-summary", default=None,
-                   help="LR summary JSON (default results/lr/CLUSTER_summary.json); with "
-                        "`train.lr_source: validation` the LR validation JSON (default "
-                        "results/lr/CLUSTER_validation.json)")
+    p.add_argument("--lr-file", default=None,
+                   help="the file the LR comes from (`train.lr_source`): the LR summary (default "
+                        "results/lr/CLUSTER_summary.json), or with `validation` the LR validation "
+                        "(default results/lr/CLUSTER_validation.json)")
     p.add_argument("--out-dir", default=None, help="default results/train/CLUSTER")
     p.add_argument("--forecast", default=None,
                    help="forecast JSON (results/forecast/CLUSTER.json): log the pace against it "

@@ -12,10 +12,11 @@ import os
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from imgclf import images, index
+from imgclf import images, index, recipes
 from imgclf.errors import UserError
-
-DECODERS = ("pil", "tensor")
+from imgclf.census import walk
+from imgclf.artifacts import DECODERS
+from imgclf.settings import validate
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 MEAN_FILL = tuple(round(255 * m) for m in MEAN)  # uint8 fill of geometric augmentations
@@ -88,8 +89,6 @@ def val_transform(decoder: str, resolution: int, recipe=None):
     a recipe the classic crop of 87.5 %."""
     from torchvision.transforms import v2
 
-    from imgclf import recipes
-
     if recipe is None:
         (resize, crop), interpolation = recipes.val_sizes(resolution), "bilinear"
     else:
@@ -157,9 +156,6 @@ def split_index(source, split: str) -> index.Index:
     stage gets) or, for one-off use and tests, a data root, walked here."""
     if not os.path.isdir(source):
         return index.read(source)
-    from imgclf.hydration.census import walk
-    from imgclf.settings import validate
-
     cen = walk(str(source))
     classes = cen.classes(split)
     lines = [index.file_line(c, n, s) for c in classes for n, s in sorted(cen.files[split][c])]
@@ -218,9 +214,8 @@ def forkserver_context(preload=()):
     loader worker hung that way while its peer waited in an all-reduce. A fork server is a
     single-threaded process that has imported this module and the decoders once; a worker
     forked from it starts in a fraction of a second and shares those pages as a worker forked
-    from the rank would (memory of its own, USS, on the demo: 19 MB, forked from the rank 15 MB,
-    spawned 372 MB, as a spawned worker imports torch again; benchmarks/worker_memory.py),
-    though it gets the data set pickled rather than shared."""
+    from the rank would, where a spawned worker imports torch again (their memory:
+    docs/training.md), though it gets the data set pickled rather than shared."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
@@ -250,7 +245,7 @@ def start_forkserver() -> None:
 
 def noted_signals() -> set:
     """The user signals this process handles in Python (Slurm's requeue signal in a training
-    rank, slurm.catch_requeue_signal): the helpers it starts must not die from them."""
+    rank, slurm.requeue.catch_requeue_signal): the helpers it starts must not die from them."""
     import signal
 
     return {s for s in (signal.SIGUSR1, signal.SIGUSR2) if callable(signal.getsignal(s))}

@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 
-def build(root: str | Path, image_size: int = 32, val_fraction: float = 0.2, seed: int = 0,
+def run(root: str | Path, image_size: int = 32, val_fraction: float = 0.2, seed: int = 0,
           jpeg_quality: int = 95) -> dict:
     """Write train/<digit>/*.jpg and val/<digit>/*.jpg under `root`; return the counts."""
     from sklearn.datasets import load_digits

@@ -1,17 +1,21 @@
-"""Which GPUs a job uses, when several jobs share one machine's GPUs.
+"""The device a stage runs on and the precision it computes in: one layer for every stage.
 
-Snakemake caps how many GPU jobs run at once (the `gpu` resource), but it does not say which
-GPU each takes: two LR-finder runs that both chose `cuda:0` would each size themselves to 85 %
-of it and run out of memory. So a job claims the devices it uses: an exclusive lock per device
-(a POSIX record lock, `lockf`, on a file named after the device's UUID, held until the process
-ends, so a killed job frees its GPUs), then CUDA_VISIBLE_DEVICES set to the claimed devices
-before CUDA starts, so the job, and every rank Lightning's launcher starts from it, sees exactly
-those (as cuda:0..n-1). A record lock belongs to the process alone: the data-loader workers it
-forks do not hold it (a `flock` they would share, and a worker still shutting down after the
-job ended would hold the GPU from the next job).
+Which GPUs a job uses, when several jobs share one machine's GPUs. Snakemake caps how many GPU
+jobs run at once (the `gpu` resource), but it does not say which GPU each takes: two LR-finder
+runs that both chose `cuda:0` would each size themselves to 85 % of it and run out of memory.
+So a job claims the devices it uses: an exclusive lock per device (a POSIX record lock, `lockf`,
+on a file named after the device's UUID, held until the process ends, so a killed job frees its
+GPUs), then CUDA_VISIBLE_DEVICES set to the claimed devices before CUDA starts, so the job, and
+every rank Lightning's launcher starts from it, sees exactly those (as cuda:0..n-1). A record
+lock belongs to the process alone: the data-loader workers it forks do not hold it (a `flock`
+they would share, and a worker still shutting down after the job ended would hold the GPU from
+the next job). Under Slurm the scheduler already gives each job its own GPUs: a rank that srun
+started among several claims nothing (its GPU follows SLURM_LOCALID, as Lightning does it).
 
-Under Slurm the scheduler already gives each job its own GPUs: a rank that srun started among
-several claims nothing (its GPU follows SLURM_LOCALID, as Lightning does it)."""
+Once claimed, the torch build, the driver and the precision are checked against the devices
+(`claim_device`), before the stage's first CUDA call. The config's `model.precision` maps to
+autocast and loss scaling as Lightning trains it (`autocast`, `grad_scaler`), on every device:
+the stages before training measure in the precision training runs in."""
 
 from __future__ import annotations
 
@@ -148,3 +152,53 @@ def claimed() -> list[dict] | None:
     """The GPUs this process (or the process that started it) claimed; None when none."""
     inherited = os.environ.get(CLAIM_ENV)
     return json.loads(inherited) if inherited else None
+
+
+def claim_device(entry: dict, precision: str, what: str, count: int = 1):
+    """The torch device stage `what` of hardware entry `entry` runs on, decided before its
+    first CUDA call: `count` GPUs of a GPU entry claimed (claim_gpus), then the build, the
+    driver (hardware.cuda_ready) and `precision` checked against them, a UserError naming the
+    fix where they do not fit (cuda:0, the first claimed); Apple's MPS for an entry that uses
+    it; the CPU for an entry of CPU ranks. None where a GPU entry finds no usable CUDA GPU
+    here: each stage says what that means for it (run its plan on the CPU, or stop)."""
+    import torch
+
+    hardware.check_precision(entry, precision)  # the entry's GPU model, before any work
+    if entry["accelerator"] == "mps":
+        return torch.device("mps")
+    if entry["accelerator"] != "gpu":
+        return torch.device("cpu")
+    claim_gpus(count, what, entry)
+    if not hardware.cuda_ready(entry):
+        return None
+    hardware.check_precision(entry, precision, hardware.capability())  # the device decides
+    return torch.device("cuda", 0)
+
+
+# `model.precision` as Lightning trains it: the dtype autocast computes in, on any device
+AUTOCAST_DTYPE = {"32": None, "16-mixed": "float16", "bf16-mixed": "bfloat16"}
+
+
+def autocast_args(precision: str, device_type: str) -> dict:
+    """torch.autocast's arguments for `precision` on `device_type` (disabled for "32")."""
+    import torch
+
+    dtype = AUTOCAST_DTYPE[precision]
+    if dtype is None:
+        return {"device_type": device_type, "enabled": False}
+    return {"device_type": device_type, "dtype": getattr(torch, dtype)}
+
+
+def autocast(precision: str, device_type: str):
+    """The autocast region of `precision` on `device_type`."""
+    import torch
+
+    return torch.autocast(**autocast_args(precision, device_type))
+
+
+def grad_scaler(precision: str, device_type: str):
+    """The loss scaler of `precision` (16-mixed: float16 gradients underflow without one, on
+    every device, as Lightning scales them), or None."""
+    import torch
+
+    return torch.amp.GradScaler(device_type) if precision == "16-mixed" else None

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from imgclf import data, devices, hardware, plots, provenance, recipes, settings
+from imgclf import data, devices, plots, provenance, recipes, settings
 from imgclf.errors import UserError
 from imgclf.index import BAD_FILES, read_bad_files
-from imgclf.plan import Plan
+from imgclf.artifacts import Plan
 
 log = logging.getLogger("imgclf.evaluate")
 
@@ -97,33 +97,17 @@ def load_checkpoint(path) -> dict:
     return ckpt
 
 
-def autocast(device: torch.device, precision: str):
-    """Inference at the training's precision: bf16 wherever it trained (CPU included), fp16 on
-    the devices that train in it (CUDA, MPS)."""
-    import contextlib
-
-    if precision.startswith("bf16"):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision.startswith("16") and device.type in ("cuda", "mps"):
-        return torch.autocast(device.type, dtype=torch.float16)
-    return contextlib.nullcontext()
-
-
-def pick_device(cluster: dict, precision: str) -> torch.device:
-    """One GPU of a GPU entry, claimed for this job (a node's other jobs keep theirs) and
-    checked against the torch build and the precision before the first CUDA call; Apple's MPS
-    for a `local` entry on a Mac; else the CPU, said in the log when the entry has GPUs."""
-    hardware.check_precision(cluster, precision)
-    if cluster["accelerator"] == "mps":
-        return torch.device("mps")
-    if cluster["accelerator"] == "gpu":
-        devices.claim_gpus(1, f"Evaluation of cluster {cluster['name']!r}", cluster)
-        if hardware.cuda_ready(cluster):
-            hardware.check_precision(cluster, precision, hardware.capability())
-            return torch.device("cuda", 0)
+def pick_device(cluster: dict, precision: str) -> tuple[torch.device, str]:
+    """(device, the precision inference computes in): one GPU of a GPU entry, claimed for this
+    job and checked (devices.claim_device), in the training's precision; Apple's MPS or the CPU
+    of the entries that train there, likewise; the CPU in full precision where a GPU entry finds
+    no GPU here, said in the log."""
+    device = devices.claim_device(cluster, precision, f"Evaluation of cluster {cluster['name']!r}")
+    if device is None:
         log.warning("cluster %s has GPUs but this machine has none: evaluating on the CPU",
                     cluster["name"])
-    return torch.device("cpu")
+        return torch.device("cpu"), "32"
+    return device, precision
 
 
 def load_model(ckpt: dict, model_cfg: dict, checkpoint, device: torch.device):
@@ -150,7 +134,7 @@ def predict(model, loader, device, precision: str, channels_last: bool,
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
-            with autocast(device, precision):
+            with devices.autocast(precision, device.type):
                 logits = model(x)
             acc.update(logits, y)
     return time.perf_counter() - t_loop
@@ -170,15 +154,14 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
     if dataset.classes != classes:
         raise UserError(f"{params['index']} has classes {dataset.classes[:5]}... but the "
                         f"checkpoint was trained on {classes[:5]}...: evaluate on the same data.")
-    device = pick_device(cluster, str(model_cfg["precision"]))
+    device, precision = pick_device(cluster, str(model_cfg["precision"]))
     model = load_model(ckpt, model_cfg, checkpoint, device)
     batch = int(ev["batch_size"] or plan.per_device_batch)
     loader = data.loader(dataset, batch, plan.num_workers, plan.prefetch_factor,
                          shuffle=False, pin_memory=device.type == "cuda")
     acc = Accumulator(len(classes), device)
     try:
-        loop_s = predict(model, loader, device, str(model_cfg["precision"]),
-                         bool(model_cfg["channels_last"]), acc)
+        loop_s = predict(model, loader, device, precision, bool(model_cfg["channels_last"]), acc)
     except data.BadImageError as e:
         raise UserError(f"Evaluation stopped: {data.BadImageError.own_line(e)} "
                         f"although the hydration check passed it; replace the file or rerun the "
@@ -201,7 +184,7 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
         "checkpoint": {"path": str(checkpoint), "epoch": ckpt.get("epoch"),
                        "global_step": ckpt.get("global_step"),
                        "train_digest": ckpt.get("imgclf", {}).get("train_digest")},
-        "device": str(device), "precision": str(model_cfg["precision"]),
+        "device": str(device), "precision": precision,
         "decoder": plan.decoder, "batch_size": batch,
         "images_per_s": round(res["num_images"] / loop_s, 1) if loop_s else None,
         "seconds": round(time.perf_counter() - t0, 2),

@@ -22,10 +22,12 @@ import socket
 import statistics
 import time
 
-from imgclf import cuda_builds, index, noise_scale, recipes, slurm
+from imgclf import artifacts, cuda_builds, devices, index, recipes
+from imgclf.artifacts import Plan
 from imgclf.errors import UserError
-from imgclf.plan import Plan
-from imgclf.provenance import read_json, write_artifact
+from imgclf.progress import hms
+from imgclf.provenance import write_artifact
+from imgclf.slurm import task as slurm_task
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 5  # steps of each LR run left out (allocator, cuDNN autotuning, first batches)
@@ -97,8 +99,7 @@ def _rank_steps(rank: int, world: int, port: int, spec: dict, results) -> None:
     size = recipe.train_size(spec["resolution"])
     images = torch.randn(spec["batch"], 3, size, size)
     labels = torch.randint(spec["classes"], (spec["batch"],))
-    autocast = {"device_type": "cpu", "dtype": torch.bfloat16,
-                "enabled": spec["precision"] == "bf16-mixed"}
+    autocast = devices.autocast_args(spec["precision"], "cpu")
     warm, timed = MEASURE_STEPS
     step_s = []
     for _ in range(warm + timed):
@@ -158,7 +159,7 @@ def measure_cpu_ranks(model: dict, plan: Plan, classes: int) -> dict:
     spec = {**{k: model[k] for k in ("arch", "recipe", "resolution", "precision",
                                      "channels_last")},
             "classes": classes, "batch": plan.per_device_batch,
-            "threads": slurm.cpu_threads_per_rank(plan.devices_per_node)}
+            "threads": slurm_task.cpu_threads_per_rank(plan.devices_per_node)}
     alone = _run_ranks(1, spec)
     together = alone if world == 1 else _run_ranks(world, spec)
     return {"ranks": world, "threads_per_rank": spec["threads"], "steps": MEASURE_STEPS[1],
@@ -262,9 +263,23 @@ def sentence(f: dict) -> str:
             f"({f['bound']}-bound), {f['device_hours']:.2f} device-hours{cost}")
 
 
-def hms(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+def with_forecast(adv: dict, forecast: dict) -> dict:
+    """The options' hours, device-hours and cost from the forecast of the planned training (cost
+    as device-hours, the price of a node shared among its devices)."""
+    if not forecast.get("forecast_for_entry"):
+        return adv
+    hours = forecast["total_s"] / 3600
+    price = forecast.get("price_per_hour")
+    per_device_hour = None if price is None else price / (forecast["world_size"] /
+                                                          forecast["nodes"])
+
+    def figures(o):
+        dh = forecast["device_hours"] * o["cost"]
+        return {**o, "hours": round(hours * o["time"], 3), "device_hours": round(dh, 3),
+                "cost_money": None if per_device_hour is None else round(dh * per_device_hour, 2)}
+    return {**adv, "options": [figures(o) for o in adv["options"]]}
+
+
 
 
 def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, train: dict,
@@ -304,27 +319,18 @@ def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, trai
 
 def run(runs, loader_path, memory_path, noise_path, train_index, val_index, hw, model, train,
         out) -> dict:
+    """results/forecast/{cluster}.json, with its sentence (what training and the report say)."""
     plan = Plan.read(memory_path, hw["name"])
-    forecast = make([read_json(p) for p in runs], read_json(loader_path), plan, hw, model,
-                    train, train_index, val_index)
-    noise = read_json(noise_path)
-    forecast["batch_vs_noise"] = {
-        "b_simple": noise["b_simple"], "stderr": noise["stderr"],
-        **noise_scale.with_forecast(noise["advice"], forecast)}
-    log.info("%s", sentence(forecast))
+    forecast = make(artifacts.lr_runs(runs), artifacts.loader_report(loader_path, hw["name"]),
+                    plan, hw, model, train, train_index, val_index)
+    noise = artifacts.noise_scale(noise_path)
+    forecast["batch_vs_noise"] = {"b_simple": noise["b_simple"], "stderr": noise["stderr"],
+                                  **with_forecast(noise["advice"], forecast)}
+    forecast["sentence"] = sentence(forecast)
+    log.info("%s", forecast["sentence"])
     if forecast.get("step_timing", {}).get("unlike_training"):
         log.warning("The forecast's step times: %s", forecast["step_timing"]["unlike_training"])
     log.info("%s", forecast["batch_vs_noise"]["sentence"])
     return write_artifact(out, forecast, config_slice={"hw": hw, "model": model, "train": train},
                           inputs=[*runs, loader_path, memory_path, noise_path, train_index,
                                   val_index])
-
-
-def read(path) -> dict | None:
-    """The forecast at `path` (with its path), or None when it does not exist: training goes on
-    without."""
-    try:
-        return {**read_json(path), "path": str(path)}
-    except FileNotFoundError:
-        return None
-

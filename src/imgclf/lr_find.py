@@ -1,120 +1,22 @@
-"""LR range tests (torch-lr-finder) on one device at the per-device batch, and their aggregation.
+"""One LR range test (torch-lr-finder) on one device at the per-device batch: the loss curve, where
+it diverged, and the times of its steps (for the forecast).
 
-Each run is one Snakemake job with its own seed (initialisation and data order). The summary
-takes the median in log space of the runs' suggestions, reports the spread, excludes runs
-that produced no usable suggestion, and scales the LR from the finder's batch to the global
-training batch by a stated rule."""
+Each run is one Snakemake job with its own seed (initialisation and data order); the summary
+reads their curves (imgclf.lr_summary)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from dataclasses import dataclass
 
-import numpy as np
-
-from imgclf import data, devices, hardware, plots, recipes
-from imgclf.plan import Plan
-from imgclf.errors import UserError
-from imgclf.provenance import read_json, write_artifact
+from imgclf import devices, hardware, recipes
+from imgclf.artifacts import Plan
+from imgclf.one_device import OneDeviceRun, one_device_run
+from imgclf.provenance import write_artifact
 
 log = logging.getLogger(__name__)
 EVAL_STEPS = 5  # forward passes timed after each range test
-SCALING_RULES = ("linear", "sqrt", "none")
-# `lr_finder.scaling: auto`: SGD-type optimizers scale linearly with the batch (Goyal et al. 2017);
-# adaptive ones (LAMB, Adam family) by the square root, as timm's train.py does by default
-# (`--lr-base-scale`).
-AUTO_SCALING = {"sgd": "linear", "lamb": "sqrt", "adamw": "sqrt", "adam": "sqrt"}
-
-
-# --- suggestions from a history -------------------------------------------------------------
-
-def _window(lrs, losses, skip_start: int, skip_end: int):
-    """Drop non-finite losses first, then the first `skip_start` and last `skip_end` points."""
-    lrs, losses = np.asarray(lrs, float), np.asarray(losses, float)
-    keep = np.isfinite(losses)
-    lrs, losses = lrs[keep], losses[keep]
-    end = len(losses) - skip_end
-    return lrs[skip_start:end], losses[skip_start:end]
-
-
-def suggest_steepest(lrs, losses, skip_start=10, skip_end=5, gradient="log_lr",
-                     until_minimum=True):
-    """LR where the smoothed loss falls fastest.
-
-    `gradient="log_lr"`: d loss / d log10(lr) (independent of how the LRs are spaced);
-    `gradient="index"`: per point, torch-lr-finder's own convention in `LRFinder.plot`.
-    `until_minimum`: look only up to the lowest loss; past it the loss is diverging and its
-    wild swings would otherwise win (the library looks at the whole window)."""
-    lrs, losses = _window(lrs, losses, skip_start, skip_end)
-    if until_minimum and len(losses):
-        stop = int(np.argmin(losses)) + 1
-        lrs, losses = lrs[:stop], losses[:stop]
-    if len(losses) < 2:
-        return None
-    grad = np.gradient(losses, np.log10(lrs)) if gradient == "log_lr" else np.gradient(losses)
-    return float(lrs[int(np.argmin(grad))])
-
-
-def suggest_minimum(lrs, losses, skip_start=10, skip_end=5):
-    """fastai's `minimum`: a tenth of the LR at the lowest smoothed loss, the loss being lowest
-    just before it diverges. The default: on the demo at a 2-epoch budget it chose, for every
-    seed, LRs 0.4 to 1.2 half-octave steps below the best of a dense grid of real trainings,
-    on the safe side of the cliff just above that best; `steepest` put half of the seeds on
-    the cliff (top-1 74 % against 80-84 %), the valley 2 to 5 steps below (docs/benchmarks.md,
-    "How good is the LR choice")."""
-    lrs, losses = _window(lrs, losses, skip_start, skip_end)
-    if len(losses) < 2:
-        return None
-    return float(lrs[int(np.argmin(losses))] / 10)
-
-
-def suggest_valley(lrs, losses, skip_start=10, skip_end=5):
-    """fastai's `valley`: the longest descending stretch of the loss; pick a point 1/2 of
-    the way into its middle third."""
-    lrs, losses = _window(lrs, losses, skip_start, skip_end)
-    n = len(losses)
-    if n < 2:
-        return None
-    lds, max_start, max_end = [1] * n, 0, 0
-    for i in range(1, n):
-        for j in range(i):
-            if losses[i] < losses[j] and lds[i] < lds[j] + 1:
-                lds[i] = lds[j] + 1
-            if lds[max_end] < lds[i]:
-                max_end, max_start = i, i - lds[i]
-    sections = (max_end - max_start) / 3
-    return float(lrs[max_start + int(sections) + int(sections / 2)])
-
-
-# --- one run ----------------------------------------------------------------------------------
-
-def _device(hw: dict, run: int):
-    """The device of one run: a GPU of a GPU entry's node that this run claims for itself (runs
-    side by side never share one), Apple's MPS for a `local` entry on a Mac, else the CPU (a
-    GPU entry's plan on a machine without its GPUs)."""
-    import torch
-
-    if hw["accelerator"] == "mps":
-        return torch.device("mps")
-    if hw["accelerator"] == "gpu":
-        devices.claim_gpus(1, f"LR-finder run {run}", hw)
-        if hardware.cuda_ready(hw):
-            return torch.device("cuda", 0)
-    return torch.device("cpu")
-
-
-def _amp(precision: str, device) -> dict:
-    """torch-lr-finder's AMP arguments for the recipe precision; mixed precision only on GPU."""
-    import torch
-
-    if device.type != "cuda" or precision == "32":
-        return {"precision": "32"}
-    dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
-    return {"precision": precision, "amp_backend": "torch",
-            "amp_config": {"device_type": "cuda", "dtype": dtype},
-            "grad_scaler": torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)}
 
 
 def _batches(loader, mixer, device, waits: list):
@@ -146,6 +48,19 @@ def _batches(loader, mixer, device, waits: list):
             return mixer(inputs, labels) if mixer is not None else (inputs, labels)
 
     return MixedBatches(TimedLoader())
+
+
+def _amp(run: OneDeviceRun) -> dict:
+    """torch-lr-finder's AMP arguments for the run's precision (it asks for a scaler whenever
+    it autocasts: a disabled one where the precision scales no loss)."""
+    import torch
+
+    if run.precision == "32":
+        return {"precision": "32"}
+    device_type = run.device.type
+    return {"precision": run.precision, "amp_backend": "torch",
+            "amp_config": devices.autocast_args(run.precision, device_type),
+            "grad_scaler": run.scaler or torch.amp.GradScaler(device_type, enabled=False)}
 
 
 def _finder(net, optimizer, criterion, device, amp: dict):
@@ -186,54 +101,6 @@ def _eval_seconds(net, loader, device, amp: dict, steps: int = EVAL_STEPS) -> li
     return [round(s, 5) for s in seconds[1:]]
 
 
-@dataclass
-class OneDeviceRun:
-    """What a single-device run on the recipe trains with (an LR range test, the noise-scale
-    measurement): the device, its AMP arguments, model, batch, batch mixing, loss and loader."""
-
-    recipe: recipes.Recipe
-    batch: int
-    device: object
-    amp: dict
-    net: object
-    mixer: object
-    criterion: object
-    loader: object
-    classes: int
-
-
-def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int | None,
-                   seed: int, run: int, threads: int | None = None,
-                   cudnn_benchmark: bool = False) -> OneDeviceRun:
-    """The model, data and device of run `run` at `batch` (None: the plan's per-device batch),
-    seeded by `seed`, with the recipe's model, loss and batch mixing on one device of entry
-    `hw`; cuDNN autotuning as `cudnn_benchmark` says (training's setting, for a run that times
-    its steps)."""
-    import torch
-
-    hardware.check_precision(hw, model["precision"])  # the entry's GPU model, before any work
-    batch = batch or plan.per_device_batch
-    if threads:
-        torch.set_num_threads(threads)
-    torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
-    torch.manual_seed(seed)
-    recipe = recipes.get(model["recipe"])
-    device = _device(hw, run)
-    if device.type == "cuda":  # the device itself decides
-        hardware.check_precision(hw, model["precision"], hardware.capability())
-    train_set = data.train_dataset(source, plan.decoder, model["resolution"], recipe)
-    net = recipes.build_model(model["arch"], len(train_set.classes), recipe.drop_path)
-    if model["channels_last"]:
-        net = net.to(memory_format=torch.channels_last)
-    loader = data.loader(train_set, batch, plan.num_workers, plan.prefetch_factor, shuffle=True,
-                         seed=seed, pin_memory=device.type == "cuda", drop_last=True)
-    classes = len(train_set.classes)
-    return OneDeviceRun(recipe=recipe, batch=batch, device=device,
-                        amp=_amp(model["precision"], device), net=net.to(device),
-                        mixer=data.batch_mixer(recipe, classes),
-                        criterion=recipes.build_loss(recipe), loader=loader, classes=classes)
-
-
 def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
          batch_size: int | None = None, threads: int | None = None,
          cudnn_benchmark: bool = True) -> dict:
@@ -242,8 +109,10 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
     with training's cuDNN autotuning (`cudnn_benchmark`: the first steps at the batch's shape
     autotune, which the forecast's warm-up leaves out)."""
     seed = cfg["seed"] + run
-    r = one_device_run(source, model, hw, plan, batch_size, seed, run, threads, cudnn_benchmark)
-    recipe, batch, device, amp, net, loader = r.recipe, r.batch, r.device, r.amp, r.net, r.loader
+    r = one_device_run(source, model, hw, plan, batch_size, seed, f"LR-finder run {run}",
+                       threads, cudnn_benchmark)
+    recipe, batch, device, net, loader = r.recipe, r.batch, r.device, r.net, r.loader
+    amp = _amp(r)
     finder = _finder(net, recipes.build_optimizer(net, recipe, lr=cfg["start_lr"]),
                      r.criterion, device, amp)
     accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1
@@ -304,8 +173,9 @@ def _mixing_note(recipe) -> str:
     return ("the recipe's " + " or ".join(parts) + ", as in training") if parts else "none"
 
 
-def run_find(source, model, hw, memory_path, cfg, run, out, cudnn_benchmark, batch_size=None,
-             threads=None) -> dict:
+def run(source, model, hw, memory_path, cfg, run, out, cudnn_benchmark, batch_size=None,
+        threads=None) -> dict:
+    """results/lr/{cluster}/run{run}.json."""
     plan = Plan.read(memory_path, hw["name"])
     result = find(source, model, hw, plan, cfg, run, batch_size=batch_size, threads=threads,
                   cudnn_benchmark=cudnn_benchmark)
@@ -314,109 +184,3 @@ def run_find(source, model, hw, memory_path, cfg, run, out, cudnn_benchmark, bat
                                                       "cudnn_benchmark": cudnn_benchmark,
                                                       "run": run, "batch_size": batch_size},
                           inputs=[memory_path])
-
-
-# --- aggregation ------------------------------------------------------------------------------
-
-def scale_lr(lr: float, from_batch: int, to_batch: int, rule: str) -> float:
-    """Scale an LR found at `from_batch` to `to_batch`: linear (Goyal et al. 2017),
-    sqrt (Krizhevsky 2014; Hoffer et al. 2017) or none."""
-    ratio = to_batch / from_batch
-    if rule == "linear":
-        return lr * ratio
-    if rule == "sqrt":
-        return lr * math.sqrt(ratio)
-    if rule == "none":
-        return lr
-    raise UserError(f"Unknown scaling rule {rule!r} (config key `lr_finder.scaling`): choose one "
-                    f"of {', '.join(SCALING_RULES)}.")
-
-
-def spread(values: list[float]) -> dict:
-    logs = np.log(values)
-    return {"min": float(min(values)), "max": float(max(values)),
-            "max_over_min": float(max(values) / min(values)),
-            "geometric_std": float(np.exp(logs.std())) if len(values) > 1 else 1.0}
-
-
-def scaling_rule(cfg: dict, recipe) -> tuple[str, str]:
-    """(rule, why): `lr_finder.scaling`, or with `auto` the rule of the recipe's optimizer."""
-    if cfg["scaling"] != "auto":
-        return cfg["scaling"], "set by `lr_finder.scaling`"
-    rule = AUTO_SCALING.get(recipe.optimizer, "linear")
-    why = ("SGD scales linearly with the batch (Goyal et al. 2017)" if rule == "linear" else
-           f"{recipe.optimizer.upper()} is adaptive: square-root scaling, as timm's train.py")
-    return rule, f"`lr_finder.scaling: auto` for the recipe's optimizer: {why}"
-
-
-def read_curve(run: dict, cfg: dict) -> dict:
-    """A run's suggestions and why it cannot be trusted (flags), read with the summary's rules."""
-    h, kw = run["history"], {"skip_start": cfg["skip_start"], "skip_end": cfg["skip_end"]}
-    found = {"steepest": suggest_steepest(h["lr"], h["smoothed_loss"], gradient=cfg["gradient"],
-                                          until_minimum=cfg["until_minimum"], **kw),
-             "valley": suggest_valley(h["lr"], h["smoothed_loss"], **kw),
-             "minimum": suggest_minimum(h["lr"], h["smoothed_loss"], **kw)}
-    lr, flags = found[cfg["suggestion"]], []
-    bad = run.get("first_nonfinite_iteration")
-    if lr is None:
-        flags.append("no suggestion (too few finite points after the skips)")
-    elif bad is not None and h["lr"][bad] <= lr:
-        flags.append(f"diverged (non-finite loss at lr {h['lr'][bad]:.3g}) before its "
-                     f"suggestion {lr:.3g}")
-    return {"run": run["run"], "seed": run["seed"], "suggestions": found,
-            "diverged": run["diverged"], "diverged_at": run["diverged_at"],
-            "excluded": bool(flags), "flags": flags}
-
-
-def _check_spread(sp: dict, cfg: dict) -> str | None:
-    if sp["max_over_min"] <= cfg["spread_limit"]:
-        return None
-    msg = (f"LR-finder runs disagree: suggestions span x{sp['max_over_min']:.2f} "
-           f"({sp['min']:.3g} to {sp['max']:.3g}), above `lr_finder.spread_limit` = "
-           f"{cfg['spread_limit']}")
-    if cfg["on_spread"] == "fail":
-        raise UserError(msg + "; raise the limit, add runs, or set `lr_finder.on_spread: warn`.")
-    log.warning(msg)
-    return msg
-
-
-def summarize(runs: list[dict], plan: Plan, cfg: dict, recipe_name: str) -> dict:
-    """The chosen LR over the runs and the training LR at the plan's global batch."""
-    method = cfg["suggestion"]
-    per_run = [read_curve(r, cfg) for r in runs]
-    valid = [p["suggestions"][method] for p in per_run if not p["excluded"]]
-    if not valid:
-        other = "valley" if method == "steepest" else "steepest"
-        raise UserError(f"No LR-finder run produced a usable `{method}` suggestion: widen "
-                        f"`lr_finder.start_lr`/`end_lr`, raise `lr_finder.num_iter`, or choose "
-                        f"`lr_finder.suggestion: {other}`.")
-    chosen = float(np.exp(np.median(np.log(valid))))
-    sp = spread(valid)
-    warnings = [f"run {p['run']} excluded: {'; '.join(p['flags'])}" for p in per_run if p["excluded"]]
-    warnings += [w for w in [_check_spread(sp, cfg)] if w]
-    recipe = recipes.get(recipe_name)
-    rule, why = scaling_rule(cfg, recipe)
-    finder_batch, global_batch = runs[0]["effective_batch"], plan.global_batch
-    return {
-        "method": method, "runs": per_run, "valid_runs": len(valid),
-        "chosen_lr": chosen, "spread": sp,
-        "lr_finder_batch": runs[0]["batch_size"], "lr_finder_effective_batch": finder_batch,
-        "global_batch": global_batch, "scaling": rule, "scaling_reason": why,
-        "training_lr": scale_lr(chosen, finder_batch, global_batch, rule),
-        "reference_lr": scale_lr(recipe.lr, recipe.ref_batch, global_batch, rule),
-        "reference": f"{recipe.name}: {recipe.lr} at batch {recipe.ref_batch}, {rule} scaling",
-        "batch_mixing": runs[0].get("batch_mixing", "not recorded"),
-        "warnings": warnings,
-    }
-
-
-def run_summary(run_paths, memory_path, cfg, recipe_name, out, plot, cluster) -> dict:
-    runs = [read_json(p) for p in run_paths]
-    summary = summarize(runs, Plan.read(memory_path, cluster), cfg, recipe_name)
-    log.info("chosen LR %.4g (spread x%.2f), training LR %.4g at global batch %d (%s); recipe "
-             "reference %.4g", summary["chosen_lr"], summary["spread"]["max_over_min"],
-             summary["training_lr"], summary["global_batch"], summary["scaling"],
-             summary["reference_lr"])
-    plots.lr_summary(runs, summary, plot)
-    return write_artifact(out, summary, config_slice={"lr_finder": cfg, "recipe": recipe_name},
-                          inputs=[*run_paths, memory_path])

@@ -11,98 +11,29 @@ grid's best. A best at the grid's edge is followed outward, one multiple at a ti
 spacing there, until it is bracketed or `validate_lr.extend_steps` multiples have been added.
 
 Each multiple is its own training job (results/lr/{cluster}/validate/x{multiple}/), so a
-cluster runs them side by side; this module holds what those jobs, the edge steps and the
-aggregate share."""
+cluster runs them side by side; each is shaped by imgclf.lr_grid. This module ranks them,
+decides the edge steps (imgclf.lr_validation_edge writes each) and writes the aggregate."""
 
 from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
+from imgclf import artifacts
+from imgclf.lr_grid import grid, multiple_name
 from imgclf.errors import UserError
-from imgclf.provenance import read_json, write_artifact
+from imgclf.provenance import write_artifact
 
 log = logging.getLogger(__name__)
 
 
-# --- the grid and the budget -----------------------------------------------------------------
-
-def grid(multiples) -> list[float]:
-    """The multiples to train, sorted, with 1 (the chosen LR itself) always among them: the
-    verdict compares the others with it."""
-    return sorted({float(m) for m in multiples} | {1.0})
-
-
-def multiple_name(multiple: float) -> str:
-    """How a multiple appears in paths (x0.25, x1, x4): short, and the same float every time."""
-    return f"{float(multiple):g}"
-
-
-def budget(cfg: dict) -> dict:
-    """The budget one validation run trains for, as the one key that sets it: `steps` over
-    `epochs` over `fraction` (of the training's epochs). Only that key reaches the runs, so
-    editing an unused one replans nothing."""
-    if cfg["steps"] is not None:
-        return {"steps": int(cfg["steps"])}
-    if cfg["epochs"] is not None:
-        return {"epochs": int(cfg["epochs"])}
-    return {"fraction": float(cfg["fraction"])}
-
-
-def run_length(spec: dict, training_epochs: int) -> tuple[int, int | None]:
-    """(max_epochs, max_steps) of a validation run. A steps budget bounds the epochs by the
-    steps (every epoch has at least one step), so the schedule is computed over the steps."""
-    b = spec["budget"]
-    if "steps" in b:
-        return int(b["steps"]), int(b["steps"])
-    if "epochs" in b:
-        return int(b["epochs"]), None
-    return max(1, round(b["fraction"] * training_epochs)), None
-
-
-def warmup_fraction(recipe, training_epochs: int) -> float:
-    """The share of the run the recipe warms up for in a full training (5 of 90 epochs for
-    goyal), kept in the short run: the schedule is compressed, not cut off."""
-    return min(recipe.warmup_epochs / training_epochs, 0.5)
-
-
-def run_lr(summary_lr: dict, spec: dict) -> dict:
-    """The LR of one validation run: the summary's training LR times the run's multiple."""
-    m = float(spec["multiple"])
-    return {**summary_lr, "value": summary_lr["value"] * m, "multiple": m,
-            "base_lr": summary_lr["value"],
-            "detail": f"{m:g} x the training LR {summary_lr['value']:.4g} ({summary_lr['detail']})"}
-
-
 # --- the aggregate ---------------------------------------------------------------------------
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def read_run(path) -> dict:
-    """One validation run's figures from its train_summary.json."""
-    try:
-        s = read_json(path)
-        lr, final = s["lr"], s["final"]
-        return {"multiple": float(lr["multiple"]), "lr": float(lr["value"]),
-                "val_loss": final["val_loss"], "val_acc1": final["val_acc1"],
-                "completed": bool(s["completed"]),
-                "budget": (s.get("validation") or {}).get("budget"), "file": str(path)}
-    except FileNotFoundError:
-        raise UserError(f"LR validation run {path} does not exist: run `snakemake {path}`.") \
-            from None
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path} is not the summary of an LR validation run: delete it and run "
-                        f"`snakemake {path}`.") from None
-
 
 def rank(runs: list[dict]) -> list[dict]:
     """The runs best first by validation loss; a run without a finite loss (diverged) ranks
     last. Ties go to the multiple nearest 1, so that a flat grid keeps the chosen LR."""
     def key(r):
-        loss = r["val_loss"] if _finite(r["val_loss"]) else math.inf
+        loss = r["val_loss"] if artifacts.finite(r["val_loss"]) else math.inf
         return (loss, abs(math.log(r["multiple"])))
     return sorted(runs, key=key)
 
@@ -114,7 +45,7 @@ def verdict(runs: list[dict], tolerance: float) -> dict:
     coarse and a short run noisy, so a slightly better neighbour is no reason to move."""
     ranked = rank(runs)
     best = ranked[0]
-    if not _finite(best["val_loss"]):
+    if not artifacts.finite(best["val_loss"]):
         raise UserError("No LR validation run reached a finite validation loss: lower "
                         "`validate_lr.multiples`, or check the LR summary and the data.")
     chosen = next((r for r in runs if r["multiple"] == 1.0), None)
@@ -124,7 +55,7 @@ def verdict(runs: list[dict], tolerance: float) -> dict:
     position = ranked.index(chosen) + 1
     out = {"best": best, "chosen": chosen, "chosen_rank": position, "of": len(runs),
            "tolerance": tolerance}
-    if not _finite(chosen["val_loss"]):
+    if not artifacts.finite(chosen["val_loss"]):
         return {**out, "verdict": "warn", "preferred_lr": best["lr"],
                 "reason": f"The chosen LR {chosen['lr']:.4g} diverged (validation loss "
                           f"{chosen['val_loss']}) while {best['multiple']:g}x it "
@@ -179,7 +110,7 @@ def next_multiple(runs: list[dict]) -> dict:
     multiples = sorted(r["multiple"] for r in runs)
     best = rank(runs)[0]
     out = {"multiple": None, "side": None, "best": best["multiple"], "neighbours": None}
-    if not _finite(best["val_loss"]):
+    if not artifacts.finite(best["val_loss"]):
         return {**out, "why": "no finite loss"}
     if len(multiples) < 2:
         return {**out, "why": "one multiple"}
@@ -191,7 +122,7 @@ def next_multiple(runs: list[dict]) -> dict:
     i = multiples.index(best["multiple"])
     neighbours = [multiples[i - 1], multiples[i + 1]]
     loss = {r["multiple"]: r["val_loss"] for r in runs}
-    diverged = not all(_finite(loss[m]) for m in neighbours)
+    diverged = not all(artifacts.finite(loss[m]) for m in neighbours)
     return {**out, "neighbours": neighbours, "why": "diverged" if diverged else "bracketed"}
 
 
@@ -212,7 +143,7 @@ def extended_grid(multiples, extend_steps: int, decided) -> list[float]:
 def _named(runs: list[dict], multiple: float) -> str:
     """`2x`, or `4x (diverged)` for a run without a finite loss."""
     run = next(r for r in runs if r["multiple"] == multiple)
-    return f"{multiple:g}x" + ("" if _finite(run["val_loss"]) else " (diverged)")
+    return f"{multiple:g}x" + ("" if artifacts.finite(run["val_loss"]) else " (diverged)")
 
 
 def _between(decision: dict, runs: list[dict]) -> str:
@@ -236,33 +167,6 @@ def describe(decision: dict, runs: list[dict]) -> str:
         return ("A grid of one multiple has no spacing to extend by: add multiples to "
                 "`validate_lr.multiples`.")
     return "No run reached a finite validation loss: there is no best to bracket."
-
-
-def decide_edge(run_paths, out) -> dict:
-    """One edge step (results/lr/{cluster}/validate/edge{step}.json): the next multiple for the
-    runs so far, or none, and why."""
-    runs = [read_run(p) for p in run_paths]
-    decision = next_multiple(runs)
-    decision["reason"] = describe(decision, runs)
-    log.info("%s", decision["reason"])
-    return write_artifact(out, decision, inputs=list(run_paths))
-
-
-def read_edge(path) -> float | None:
-    """The multiple an edge step decided (None: the search stops there)."""
-    try:
-        multiple = read_json(path)["multiple"]
-        return None if multiple is None else float(multiple)
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path} is not an LR validation edge step: delete it and rerun the "
-                        f"stage (`snakemake results/lr/CLUSTER_validation.json`).") from None
-
-
-def write_steps(out, params: dict, log_file) -> None:
-    """The edge search's step count as a file (validate_lr_extend_steps), for the aggregate to
-    take as an input that changes with it."""
-    write_artifact(out, params, config_slice=params)
-    Path(log_file).write_text(f"wrote {out}\n")
 
 
 def extension(runs: list[dict], multiples) -> dict:
@@ -304,20 +208,20 @@ def _extension_sentence(record: dict, final: dict, runs: list[dict]) -> str:
     return f"The grid brackets its best: {_between(final, runs)}."
 
 
-def summarize(run_paths, summary_path, multiples, tolerance: float, out, plot) -> dict:
+def run(run_paths, summary_path, multiples, tolerance: float, out, plot) -> dict:
     """results/lr/{cluster}_validation.json and its plot from the runs' train summaries (the
     grid's and the edge steps' extra multiples)."""
-    runs = sorted((read_run(p) for p in run_paths), key=lambda r: r["multiple"])
+    runs = sorted((artifacts.validation_run(p) for p in run_paths), key=lambda r: r["multiple"])
     missing = sorted(set(grid(multiples)) - {r["multiple"] for r in runs})
     if missing:
         names = ", ".join(f"{m:g}" for m in missing)
         raise UserError(f"No LR validation run for multiple(s) {names} of "
                         f"`validate_lr.multiples`: rerun the stage with Snakemake.")
-    lr_summary = read_json(summary_path)
+    lr_summary = artifacts.LRSummary.read(summary_path)
     v = verdict(runs, tolerance)
     edge = extension(runs, multiples)
     result = {
-        "training_lr": lr_summary["training_lr"], "global_batch": lr_summary["global_batch"],
+        "training_lr": lr_summary.training_lr, "global_batch": lr_summary.global_batch,
         "budget": runs[0]["budget"], "runs": runs, "best": v["best"],
         "chosen_rank": v["chosen_rank"], "of": v["of"],
         "verdict": v["verdict"], "preferred_lr": v["preferred_lr"],
@@ -326,26 +230,9 @@ def summarize(run_paths, summary_path, multiples, tolerance: float, out, plot) -
     }
     ok = v["verdict"] == "ok" and edge["bracketed"]
     (log.info if ok else log.warning)("%s", result["reason"])
-    from imgclf import plots  # matplotlib: only here, not when Snakemake computes params
+    from imgclf import plots  # matplotlib only here: Snakemake imports this module to plan
 
     plots.lr_validation(result, plot)
     return write_artifact(out, result, config_slice={"multiples": grid(multiples),
                                                      "tolerance": tolerance},
                           inputs=[*run_paths, summary_path])
-
-
-# --- what training reads back (`train.lr_source: validation`) ----------------------------------
-
-def read_best(path) -> dict:
-    """The grid's best LR from a validation JSON, checked."""
-    how = f"run `snakemake {path}` or set `train.lr_source: lr_finder`"
-    try:
-        d = read_json(path)
-    except FileNotFoundError:
-        raise UserError(f"LR validation {path} does not exist: {how}.") from None
-    except ValueError:
-        raise UserError(f"LR validation {path} is not valid JSON: delete it and {how}.") from None
-    best = d.get("best") or {}
-    if not _finite(best.get("lr")) or best["lr"] <= 0 or "global_batch" not in d:
-        raise UserError(f"LR validation {path} has no positive best LR: {how}.")
-    return d

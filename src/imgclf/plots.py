@@ -234,20 +234,14 @@ def lr_validation(result: dict, path) -> None:
 
 # --- gradient noise scale -----------------------------------------------------------------------
 
-def noise_scale(result: dict, path) -> None:
+def noise_scale(result: dict, series: dict, path) -> None:
     """Left: the running B_simple as steps are added, with the final bootstrap band. Right:
-    the paper's time and cost against the global batch, relative to the plan."""
-    from imgclf.noise_scale import time_ratio, unbiased
-
+    the paper's time and cost against the global batch, relative to the plan (`series`:
+    noise_scale.plot_series)."""
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     ax_run, ax_model = fig.subplots(1, 2)
-    h, value = result["history"], result["b_simple"]
-    grad_sq, trace = unbiased(h["small_sq"], h["big_sq"], result["small_batch"],
-                              result["big_batch"])
-    steps = np.arange(1, len(grad_sq) + 1)
-    g_mean, t_mean = np.cumsum(grad_sq) / steps, np.cumsum(trace) / steps
-    running = np.where(g_mean > 0, t_mean / np.where(g_mean > 0, g_mean, 1), np.nan)
-    ax_run.plot(steps, running, marker="o", ms=3, label="running estimate")
+    value = result["b_simple"]
+    ax_run.plot(series["steps"], series["running"], marker="o", ms=3, label="running estimate")
     if result.get("interval_68"):
         ax_run.axhspan(*result["interval_68"], color="grey", alpha=0.2,
                        label="68 % bootstrap interval")
@@ -256,12 +250,9 @@ def noise_scale(result: dict, path) -> None:
     ax_run.set_title(f"B_simple {'none' if value is None else f'{value:,.0f}'} from batches "
                      f"{result['small_batch']} and {result['big_batch']}", fontsize=10)
     planned = result["global_batch"]
-    if value:
-        lo, hi = np.log2(min(planned, value)) - 2, np.log2(max(planned, value)) + 2
-        batches = np.logspace(lo, hi, 61, base=2)
-        t = np.array([time_ratio(planned, b, value) for b in batches])
-        ax_model.plot(batches, t, label="time (steps) to the same loss")
-        ax_model.plot(batches, t * batches / planned, label="cost (device-hours)")
+    if series["batches"] is not None:
+        ax_model.plot(series["batches"], series["time"], label="time (steps) to the same loss")
+        ax_model.plot(series["batches"], series["cost"], label="cost (device-hours)")
         ax_model.axvline(planned, color="black", ls="--", label=f"planned {planned:,}")
         ax_model.axvline(value, color="tab:red", ls=":", label=f"noise scale {value:,.0f}")
         ax_model.set_xscale("log", base=2)

@@ -28,6 +28,12 @@ class _LogLines(tqdm):
         return True
 
 
+def hms(seconds: float) -> str:
+    """Seconds as H:MM:SS, as the forecast and the progress lines say them."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 def progress(iterable=None, *, every_s: float = PLAIN_EVERY_S, **kwargs) -> tqdm:
     """`tqdm(iterable, **kwargs)` on a terminal, else a tqdm that logs a line every `every_s`."""
     if sys.stderr.isatty():

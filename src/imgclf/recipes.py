@@ -90,8 +90,7 @@ class Recipe:
 RECIPES = {
     "demo": Recipe(
         name="demo", source="this project: trains the bundled digits on a CPU in about a minute",
-        # Measured with 2 gloo ranks x 64: >= 98 % val top-1 for peak LRs 0.002-0.1 at batch 128
-        # (0.15: 96.7 %, 0.2: 93 %); crops below 60 % of the area cut digits apart (0.35: 92 %).
+        # its LR and crops: measured (docs/training.md, "demo")
         optimizer="sgd", lr=0.02, ref_batch=128, target_global_batch=128, epochs=12,
         warmup_epochs=2, nesterov=True, weight_decay=5e-4, label_smoothing=0.0,
         crop_scale_min=0.6, hflip=0.0,  # digits are not mirror-symmetric

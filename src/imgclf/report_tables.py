@@ -1,5 +1,7 @@
 """The key tables of the Snakemake report: chosen loader settings, memory solve, LR summary,
-the gradient noise scale, the training's forecast and evaluation, each a small self-contained HTML page made from its stage's JSON.
+the gradient noise scale, the training's forecast and evaluation, each a small self-contained
+HTML page made from its stage's JSON (read through imgclf.artifacts, worded by the stage that
+wrote it where it says more than figures: the forecast's sentence).
 
 HTML rather than TSV because the report shows an HTML result inline and offers any other text
 file only as a download. One page per stage, so a change reruns only the tables it touches."""
@@ -9,9 +11,11 @@ from __future__ import annotations
 import html
 import logging
 
+from imgclf import artifacts
 from imgclf.errors import UserError
 from imgclf.hardware import GB
-from imgclf.provenance import atomic_path, read_json
+from imgclf.progress import hms
+from imgclf.provenance import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +181,7 @@ def noise_tables(d: dict) -> list[tuple]:
 
 
 def forecast_tables(d: dict) -> list[tuple]:
-    from imgclf.forecast import hms, sentence
-
-    rows = [("forecast", sentence(d))]
+    rows = [("forecast", d["sentence"])]
     if d["forecast_for_entry"]:
         eff, t = d["scaling_efficiency"], d["step_timing"]
         rows += [
@@ -250,13 +252,11 @@ def render(title: str, tables: list[tuple], source: str, provenance: dict | None
     return "".join(parts)
 
 
-def run_stage(table: str, source, out) -> str:
+def run(table: str, source, out) -> str:
+    """results/report/{cluster}/{table}.html from the stage's JSON."""
     if table not in BUILDERS:
         raise UserError(f"Unknown report table {table!r}: choose one of {', '.join(TABLES)}.")
-    try:
-        data = read_json(source)
-    except FileNotFoundError:
-        raise UserError(f"{source} does not exist: run `snakemake {source}` first.") from None
+    data = artifacts.read(source, TITLES[table], f"run `snakemake {source}` first")
     page = render(TITLES[table], BUILDERS[table](data), str(source), data.get("provenance"))
     with atomic_path(out) as tmp:
         tmp.write_text(page)

@@ -3,7 +3,7 @@ import json
 import sys
 from pathlib import Path
 
-from imgclf import lr_validation, provenance, report_tables
+from imgclf import artifacts, lr_grid, lr_validation, provenance, report_tables
 
 # the CLI of the environment Snakemake runs in (it need not be on PATH)
 IMGCLF = str(Path(sys.executable).parent / "imgclf")
@@ -17,25 +17,25 @@ wildcard_constraints:
 
 def training_resources():
     """Resources of a job that trains (train_model, validate_lr_run), one lambda per key of
-    slurm.train_resources: the GPU pool locally, the allocation and srun line under Slurm.
+    slurm_jobs.train_resources: the GPU pool locally, the allocation and srun line under Slurm.
     """
     return {
-        key: (lambda wc, key=key: slurm.train_resource(workflow, hw(wc), key))
-        for key in slurm.TRAIN_RESOURCE_KEYS
+        key: (lambda wc, key=key: slurm_jobs.train_resource(workflow, hw(wc), key))
+        for key in slurm_jobs.TRAIN_RESOURCE_KEYS
     }
 
 
 def gpu_job_resources(count):
     """Resources of a one-node job that asks for `count(wildcards)` GPUs of its entry, one
-    lambda per key of slurm.gpu_resources: the count from this machine's `gpu` pool locally,
+    lambda per key of slurm_jobs.gpu_resources: the count from this machine's `gpu` pool locally,
     a request naming the entry's GPU type under Slurm."""
     return {
         key: (
-            lambda wc, key=key: slurm.gpu_resources(
-                hw(wc), count(wc), slurm.workflow_on_slurm(workflow)
+            lambda wc, key=key: slurm_jobs.gpu_resources(
+                hw(wc), count(wc), slurm_jobs.workflow_on_slurm(workflow)
             )[key]
         )
-        for key in slurm.GPU_RESOURCE_KEYS
+        for key in slurm_jobs.GPU_RESOURCE_KEYS
     }
 
 
@@ -61,11 +61,16 @@ def data_input(wildcards):
     return [root] if settings.is_demo_root(config, root) else []
 
 
+# What every stage that reads the data set's images runs: a rule lists these and the modules of
+# its own (tests/test_structure.py derives each rule's list from its stage's imports)
+READS_IMAGES = ("data", "images", "index", "census", "recipes", "artifacts", "hardware")
+
+
 def code(*modules):
     """Package modules that a stage runs, as its inputs: an edit reruns it and its dependents.
     They resolve in this workflow's src/imgclf (the editable install points at the same files),
     so a copy of the workflow tracks its own copy of the code."""
-    return [f for m in modules for f in settings.module_files(m, workflow.basedir)]
+    return [f for m in modules for f in slices.module_files(m, workflow.basedir)]
 
 
 def hydration_verdict(wildcards):
@@ -78,18 +83,18 @@ def hydration_verdict(wildcards):
 def train_index(wildcards):
     """The check's file index of the training split, as `ancient` (see hydration_verdict): the
     stages build their data sets from it; its content reaches them through `census`."""
-    return ancient(settings.index_files(wildcards.cluster)["train"])
+    return ancient(slices.index_files(wildcards.cluster)["train"])
 
 
 def val_index(wildcards):
-    return ancient(settings.index_files(wildcards.cluster)["val"])
+    return ancient(slices.index_files(wildcards.cluster)["val"])
 
 
 def verdict_census(wildcards):
     """Verdict and census digest of the hand-off, as a param of the loader benchmark: a changed
     census is a changed param, which reruns it (Snakemake re-evaluates it once the checkpoint
     has run, in the same invocation)."""
-    return settings.census_key(wildcards.cluster)
+    return slices.census_key(wildcards.cluster)
 
 
 def report_table_source(wildcards):
@@ -116,8 +121,8 @@ def train_targets(cluster):
 
 def lr_summary_input(wildcards):
     """Where training takes its LR from: the LR summary, the LR validation
-    (`train.lr_source: validation`; passed as --lr-summary) or none (recipe)."""
-    return settings.lr_file(config["train"]["lr_source"], wildcards.cluster) or []
+    (`train.lr_source: validation`; passed as --lr-file) or none (recipe)."""
+    return slices.lr_file(config["train"]["lr_source"], wildcards.cluster) or []
 
 
 def lr_validation_runs(cluster, steps=None):
@@ -128,12 +133,12 @@ def lr_validation_runs(cluster, steps=None):
     multiples = lr_validation.extended_grid(
         v["multiples"],
         v["extend_steps"] if steps is None else steps,
-        lambda step: lr_validation.read_edge(
+        lambda step: artifacts.edge_step(
             checkpoints.validate_lr_edge.get(cluster=cluster, step=step).output[0]
         ),
     )
     return [
-        f"results/lr/{cluster}/validate/x{lr_validation.multiple_name(m)}/train_summary.json"
+        f"results/lr/{cluster}/validate/x{lr_grid.multiple_name(m)}/train_summary.json"
         for m in multiples
     ]
 

@@ -9,6 +9,6 @@ rule prepare_demo_data:
     log:
         "logs/prepare_demo_data.log",
     params:
-        demo=settings.canonical(config["demo"]),
+        demo=slices.canonical(config["demo"]),
     script:
         "../scripts/prepare_demo_data.py"

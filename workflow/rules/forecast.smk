@@ -12,13 +12,13 @@ rule forecast:
         noise="results/noise/{cluster}.json",
         train_index=train_index,
         val_index=val_index,
-        code=code("forecast", "recipes", "index", "noise_scale"),
+        code=code("forecast", "artifacts", "devices", "hardware", "index", "recipes"),
     output:
         "results/forecast/{cluster}.json",
     log:
         "logs/forecast/{cluster}.log",
     threads: lambda wc: hw(wc)["cpus_per_node"] if hw(wc)["accelerator"] == "cpu" else 1
     params:
-        p=lambda wc: settings.forecast_params(config, wc.cluster),
+        p=lambda wc: slices.forecast_params(config, wc.cluster),
     script:
         "../scripts/forecast.py"

@@ -10,7 +10,7 @@ checkpoint check_hydration:
     """
     input:
         data=data_input,
-        code=code("hydration", "index", "images", "plots", "progress"),
+        code=code("hydration", "census", "index", "images", "hardware", "plots"),
     output:
         report=report(
             "results/hydration/{cluster}.json",
@@ -30,6 +30,6 @@ checkpoint check_hydration:
         "logs/hydration/{cluster}.log",
     threads: lambda wc: hw(wc)["cpus_per_node"]  # images are decoded on every CPU
     params:
-        p=lambda wc: settings.hydration_params(config, wc.cluster),
+        p=lambda wc: slices.hydration_params(config, wc.cluster),
     script:
         "../scripts/check_hydration.py"

@@ -6,9 +6,7 @@ rule benchmark_loader:
     input:
         verdict=hydration_verdict,
         index=train_index,
-        code=code(
-            "loader_bench", "data", "images", "index", "recipes", "plots", "progress"
-        ),
+        code=code("loader_bench", *READS_IMAGES, "plots"),
     output:
         json=report(
             "results/loader/{cluster}.json",
@@ -31,7 +29,7 @@ rule benchmark_loader:
         "benchmarks/loader/{cluster}.tsv"
     threads: lambda wc: hw(wc)["cpus_per_node"]  # timing needs the machine to itself
     params:
-        p=lambda wc: settings.loader_params(config, wc.cluster),
+        p=lambda wc: slices.loader_params(config, wc.cluster),
         census=verdict_census,
     script:
         "../scripts/benchmark_loader.py"

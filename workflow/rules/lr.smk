@@ -5,7 +5,7 @@ rule lr_find:
     input:
         memory="results/memory/{cluster}.json",
         index=train_index,
-        code=code("lr_find", "recipes", "data", "images", "index", "plan"),
+        code=code("lr_find", *READS_IMAGES, "one_device", "devices"),
     output:
         "results/lr/{cluster}/run{run}.json",
     log:
@@ -16,7 +16,7 @@ rule lr_find:
     resources:
         **gpu_job_resources(one_device),
     params:
-        p=lambda wc: settings.lr_find_params(config, wc.cluster),
+        p=lambda wc: slices.lr_find_params(config, wc.cluster),
     script:
         "../scripts/lr_find.py"
 
@@ -26,7 +26,7 @@ rule summarize_lr:
     input:
         runs=lambda wc: lr_runs(wc.cluster),
         memory="results/memory/{cluster}.json",
-        code=code("lr_find", "plan", "plots"),
+        code=code("lr_summary", "lr_scaling", "recipes", "artifacts", "plots"),
     output:
         summary="results/lr/{cluster}_summary.json",
         plot=report(
@@ -37,6 +37,6 @@ rule summarize_lr:
     log:
         "logs/lr/{cluster}_summary.log",
     params:
-        p=lambda wc: settings.lr_summary_params(config, wc.cluster),
+        p=lambda wc: slices.lr_summary_params(config, wc.cluster),
     script:
         "../scripts/summarize_lr.py"

@@ -1,7 +1,6 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
 # that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
 from imgclf import memory as memory_solve
-from imgclf import slurm
 
 
 rule solve_memory:
@@ -9,7 +8,7 @@ rule solve_memory:
     batch, loader workers/prefetch within the host RAM budget."""
     input:
         loader="results/loader/{cluster}.json",
-        code=code("memory", "recipes", "data", "plots"),
+        code=code("memory", *READS_IMAGES, "devices", "plots"),
     output:
         json=report(
             "results/memory/{cluster}.json",
@@ -28,10 +27,10 @@ rule solve_memory:
     resources:
         **gpu_job_resources(
             lambda wc: memory_solve.gpus_to_request(
-                config["memory"], hw(wc), slurm.workflow_on_slurm(workflow)
+                config["memory"], hw(wc), slurm_jobs.workflow_on_slurm(workflow)
             )
         ),
     params:
-        p=lambda wc: settings.memory_params(config, wc.cluster),
+        p=lambda wc: slices.memory_params(config, wc.cluster),
     script:
         "../scripts/solve_memory.py"

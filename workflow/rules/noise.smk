@@ -10,12 +10,11 @@ rule noise_scale:
         index=train_index,
         code=code(
             "noise_scale",
-            "lr_find",
-            "recipes",
-            "data",
-            "images",
-            "index",
-            "plan",
+            *READS_IMAGES,
+            "gradient_noise",
+            "lr_scaling",
+            "one_device",
+            "devices",
             "plots",
         ),
     output:
@@ -34,6 +33,6 @@ rule noise_scale:
     resources:
         **gpu_job_resources(one_device),
     params:
-        p=lambda wc: settings.noise_scale_params(config, wc.cluster),
+        p=lambda wc: slices.noise_scale_params(config, wc.cluster),
     script:
         "../scripts/noise_scale.py"

@@ -6,10 +6,7 @@ rule report_table:
     download."""
     input:
         json=report_table_source,
-        # the forecast's table words it with the forecast's own sentence
-        code=lambda wc: code(
-            "report_tables", *(["forecast"] if wc.table == "forecast" else [])
-        ),
+        code=code("report_tables", "artifacts", "hardware"),
     output:
         report(
             "results/report/{cluster}/{table}.html",

@@ -16,7 +16,7 @@ rule train_settings:
         "logs/train/{cluster}_settings.log",
     localrule: True
     params:
-        p=lambda wc: settings.train_params(config, wc.cluster),
+        p=lambda wc: slices.train_params(config, wc.cluster),
     run:
         provenance.write_artifact(output[0], params.p, config_slice=params.p)
         Path(log[0]).write_text(f"wrote {output[0]}\n")
@@ -38,13 +38,11 @@ rule train_model:
         val_index=val_index,
         code=code(
             "train",
-            "recipes",
-            "data",
-            "images",
-            "index",
-            "plan",
-            "plots",
-            "lr_validation",
+            *READS_IMAGES,
+            "devices",
+            "lr_grid",
+            "lr_scaling",
+            "gradient_noise",
         ),
     output:
         best="results/train/{cluster}/best.ckpt",
@@ -63,13 +61,13 @@ rule train_model:
     resources:
         **training_resources(),
         # under Slurm: the forecast's time up to the partition's limit, then a requeue
-        runtime=lambda wc, input: slurm.train_runtime(input.forecast, hw(wc)),
-        slurm_extra=lambda wc, input: slurm.train_slurm_extra(input.forecast, hw(wc)),
-    params:
-        p=lambda wc: json.dumps(
-            settings.train_params(config, wc.cluster), sort_keys=True
+        runtime=lambda wc, input: slurm_jobs.train_runtime(input.forecast, hw(wc)),
+        slurm_extra=lambda wc, input: slurm_jobs.train_slurm_extra(
+            input.forecast, hw(wc)
         ),
-        lr=lambda wc, input: f"--lr-summary {input.lr}" if input.lr else "",
+    params:
+        p=lambda wc: json.dumps(slices.train_params(config, wc.cluster), sort_keys=True),
+        lr=lambda wc, input: f"--lr-file {input.lr}" if input.lr else "",
         imgclf=IMGCLF,
     shell:
         "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
@@ -83,7 +81,7 @@ rule evaluate:
         ckpt="results/train/{cluster}/best.ckpt",
         memory="results/memory/{cluster}.json",
         index=val_index,
-        code=code("evaluate", "recipes", "data", "images", "index", "plan", "plots"),
+        code=code("evaluate", *READS_IMAGES, "devices", "plots"),
     output:
         json="results/eval/{cluster}.json",
         confusion=report(
@@ -98,7 +96,7 @@ rule evaluate:
         **gpu_job_resources(one_device),
     params:
         p=lambda wc: json.dumps(
-            settings.evaluate_params(config, wc.cluster), sort_keys=True
+            slices.evaluate_params(config, wc.cluster), sort_keys=True
         ),
         imgclf=IMGCLF,
     shell:

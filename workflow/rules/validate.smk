@@ -21,13 +21,11 @@ rule validate_lr_run:
         val_index=val_index,
         code=code(
             "train",
-            "recipes",
-            "data",
-            "images",
-            "index",
-            "plan",
-            "plots",
-            "lr_validation",
+            *READS_IMAGES,
+            "devices",
+            "lr_grid",
+            "lr_scaling",
+            "gradient_noise",
         ),
     output:
         summary="results/lr/{cluster}/validate/x{multiple}/train_summary.json",
@@ -41,13 +39,13 @@ rule validate_lr_run:
         **training_resources(),
     params:
         p=lambda wc: json.dumps(
-            settings.validate_lr_run_params(config, wc.cluster, wc.multiple),
+            slices.validate_lr_run_params(config, wc.cluster, wc.multiple),
             sort_keys=True,
         ),
         imgclf=IMGCLF,
     shell:
         "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
-        " --memory {input.memory} --lr-summary {input.lr}"
+        " --memory {input.memory} --lr-file {input.lr}"
         " --out-dir results/lr/{wildcards.cluster}/validate/x{wildcards.multiple} --log {log}"
 
 
@@ -59,7 +57,9 @@ checkpoint validate_lr_edge:
     that redoes no step and no run."""
     input:
         runs=lambda wc: lr_validation_runs(wc.cluster, int(wc.step)),
-        code=code("lr_validation"),
+        code=code(
+            "lr_validation_edge", "lr_validation", "lr_grid", "artifacts", "plots"
+        ),
     output:
         "results/lr/{cluster}/validate/edge{step}.json",
     log:
@@ -81,9 +81,10 @@ rule validate_lr_extend_steps:
         "logs/lr/{cluster}/validate_extend_steps.log",
     localrule: True
     params:
-        p=lambda wc: settings.lr_validation_steps_params(config, wc.cluster),
+        p=lambda wc: slices.lr_validation_steps_params(config, wc.cluster),
     run:
-        lr_validation.write_steps(output[0], params.p, log[0])
+        provenance.write_artifact(output[0], params.p, config_slice=params.p)
+        Path(log[0]).write_text(f"wrote {output[0]}\n")
 
 
 rule summarize_lr_validation:
@@ -94,7 +95,7 @@ rule summarize_lr_validation:
         runs=lambda wc: lr_validation_runs(wc.cluster),
         steps="results/lr/{cluster}/validate/extend_steps.json",
         lr="results/lr/{cluster}_summary.json",
-        code=code("lr_validation", "plots"),
+        code=code("lr_validation", "lr_grid", "artifacts", "plots"),
     output:
         json="results/lr/{cluster}_validation.json",
         plot=report(
@@ -105,6 +106,6 @@ rule summarize_lr_validation:
     log:
         "logs/lr/{cluster}_validation.log",
     params:
-        p=lambda wc: settings.lr_validation_params(config, wc.cluster),
+        p=lambda wc: slices.lr_validation_params(config, wc.cluster),
     script:
         "../scripts/summarize_lr_validation.py"

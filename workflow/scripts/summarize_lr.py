@@ -1,6 +1,6 @@
-from imgclf import lr_find, stage
+from imgclf import lr_summary, stage
 
-stage.run(lambda: lr_find.run_summary(
+stage.run(lambda: lr_summary.run(
     snakemake.input.runs, snakemake.input.memory, **snakemake.params.p,
     out=snakemake.output.summary, plot=snakemake.output.plot, cluster=snakemake.wildcards.cluster,
 ), snakemake.log[0])

@@ -1,6 +1,6 @@
 from imgclf import lr_validation, stage
 
-stage.run(lambda: lr_validation.summarize(
+stage.run(lambda: lr_validation.run(
     snakemake.input.runs, snakemake.input.lr, **snakemake.params.p,
     out=snakemake.output.json, plot=snakemake.output.plot,
 ), snakemake.log[0])

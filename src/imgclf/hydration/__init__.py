@@ -21,15 +21,14 @@ command that resolves it, and the findings."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
-from imgclf import index
+from imgclf import index, plots
 from imgclf.index import escape
 from imgclf.errors import UserError
-from imgclf.hydration import census as census_
+from imgclf import census as census_
 from imgclf.hydration import integrity, storage
 from imgclf.provenance import (atomic_path, digest_file, digest_obj, write_artifact,
                                write_handoff, write_json)
@@ -192,22 +191,11 @@ def verdict_handoff(report: dict, root: str, index_paths: dict, excluded) -> dic
     }
 
 
-def handoff_key(path) -> dict | None:
-    """What of a verdict hand-off the stages after the check depend on; None before the first
-    check (the rules pass it as a param: params are compared on every run)."""
-    try:
-        with open(path) as f:
-            handoff = json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
-    return {k: handoff.get(k) for k in ("verdict", "census_digest")}
-
-
 def findings_path(out) -> Path:
     return Path(str(out)[:-len(".json")] + ".findings.json")
 
 
-def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out, out_verdict,
+def run(root, params: dict, min_read_mb_s: float, cluster: str, out, out_verdict,
               out_png, out_excluded, out_index: dict) -> dict:
     """Check; on a pass write the plot, the excluded list, the indexes, the report and the
     hand-off; on a failure write the findings and raise the one-sentence failure."""
@@ -223,9 +211,6 @@ def run_stage(root, params: dict, min_read_mb_s: float, cluster: str, out, out_v
         write_json(findings, report)
         raise UserError(failure_sentence(report, params, findings))
     findings.unlink(missing_ok=True)
-    # matplotlib only here: Snakemake imports this module to plan every run (settings.census_key)
-    from imgclf import plots
-
     plots.hydration(report, out_png)
     write_excluded(out_excluded, cen)
     write_indexes(cen, out_index, params["max_image_pixels"])

@@ -9,7 +9,7 @@ beside it, so the report gives the gain over it as a measured figure. Nothing is
 a cluster with more CPUs than this machine is measured with the CPUs this machine has, and the
 report says so.
 
-`run_stage` is the `benchmark_loader` rule; `benchmark` returns the report without writing it.
+`run` is the `benchmark_loader` rule; `benchmark` returns the report without writing it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from imgclf.loader_bench.timing import (GB, PeakMemory, buffer_bytes, cpus_per_d
 __all__ = ["CSV_FIELDS", "GB", "PeakMemory", "Setup", "baseline_block", "benchmark",
            "buffer_bytes", "choice_block", "choose", "cost", "cpus_per_device", "decoder_bests",
            "default_workers", "describe_config", "grid", "measurable_here", "plan",
-           "planned_batch", "rss_kind", "run_stage", "time_config", "torch_threads",
+           "planned_batch", "rss_kind", "run", "time_config", "torch_threads",
            "tree_bytes", "write_csv"]
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def write_csv(path, rows: list[dict]) -> None:
                 str(x) for x in (r["window_images_per_s"] or []))})
 
 
-def run_stage(source: str, loader: dict, model: dict, hw: dict, out_json, out_csv, out_png,
+def run(source: str, loader: dict, model: dict, hw: dict, out_json, out_csv, out_png,
               inputs=()) -> dict:
     """Benchmark, then write the CSV, the plot and the JSON (the JSON last: it marks success)."""
     report = benchmark(source, loader, model, hw)

@@ -169,7 +169,8 @@ def time_config(dataset, batch_size: int, workers: int, prefetch: int, *, second
 def torch_threads(n: int):
     """Main-process intra-op threads while timing. One, as DataLoader sets in its workers: the
     per-image ops are too small to gain from threads, and on a busy machine OpenMP threads
-    that wait for each other made 0-worker loading 10-30x slower in our runs."""
+    that wait for each other slow 0-worker loading down many times (docs/benchmarks.md,
+    "Loader benchmark")."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -10,23 +10,11 @@ docstring)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
+from imgclf.devices import autocast
 from imgclf.hardware import GB
-
-AUTOCAST = {"32": None, "16-mixed": "float16", "bf16-mixed": "bfloat16"}
-
-
-def autocast_context(precision: str, device_type: str):
-    """The autocast region of a `model.precision` on `device_type` (none for full precision)."""
-    import torch
-
-    dtype = AUTOCAST[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=getattr(torch, dtype))
 
 
 def _saved_bytes(model, x, y, loss_fn, precision: str, owned: set) -> dict:
@@ -59,7 +47,7 @@ def _saved_bytes(model, x, y, loss_fn, precision: str, owned: set) -> dict:
     hooks = [m.register_forward_pre_hook(note_params) for m in model.modules()]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with autocast_context(precision, "cpu"):
+            with autocast(precision, "cpu"):
                 loss = loss_fn(model(x), y)
     finally:
         for h in hooks:
@@ -249,7 +237,7 @@ def fake_tensor_peak(arch: str, batch: int, precision: str, recipe_name: str,
         def step():
             x = torch.randn(batch, 3, resolution, resolution)
             y = torch.randint(0, num_classes, (batch,))
-            with autocast_context(precision, "cpu"):
+            with autocast(precision, "cpu"):
                 loss = loss_fn(model(x), y)
             if precision == "16-mixed":
                 scale = torch.full((), 65536.0)

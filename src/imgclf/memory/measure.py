@@ -11,7 +11,8 @@ import gc
 
 from imgclf import devices, hardware
 from imgclf.errors import UserError
-from imgclf.memory.estimate import GB, autocast_context, round_down
+from imgclf.devices import autocast
+from imgclf.memory.estimate import GB, round_down
 
 
 # --- when to measure --------------------------------------------------------------------------
@@ -105,7 +106,7 @@ def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
             x = torch.randn(batch, 3, resolution, resolution, device=device)
             x = x.contiguous(memory_format=fmt)
             y = torch.randint(0, num_classes, (batch,), device=device)
-            with autocast_context(precision, "cuda"):
+            with autocast(precision, "cuda"):
                 loss = loss_fn(model(x), y)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -148,14 +149,12 @@ def cuda_device(hw: dict, precision: str) -> dict:
     lazily loaded kernels; other processes on the GPU), which is only all there after a step
     has run. Before the first CUDA call the solve claims a GPU of this machine for itself (the
     other GPU jobs here keep theirs, see `imgclf.devices`), and the build, the driver and the
-    precision are checked against it (`imgclf.hardware.cuda_ready`, `check_precision`)."""
+    precision are checked against it (`imgclf.devices.claim_device`)."""
     import torch
 
-    devices.claim_gpus(1, f"The memory solve of cluster {hw['name']!r}", hw)
-    if not hardware.cuda_ready(hw):
+    if devices.claim_device(hw, precision, f"The memory solve of cluster {hw['name']!r}") is None:
         raise UserError("`memory.mode: measure` needs a GPU but torch sees no CUDA device here: "
                         "set `memory.mode: estimate` or run solve_memory on a GPU node.")
-    hardware.check_precision(hw, precision, hardware.capability())
     torch.cuda.init()
 
     def outside_allocator() -> int:

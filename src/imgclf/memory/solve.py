@@ -3,7 +3,7 @@
 `solve` picks the per-device batch (on a GPU cluster: the largest that fits the safety margin
 of the GPU's memory, measured or estimated; on a CPU cluster: the recipe's global batch split
 over the ranks, capped by host RAM), the gradient accumulation that reaches the recipe's
-global batch, and the loader workers/prefetch that fit the host RAM; `run_stage` writes the
+global batch, and the loader workers/prefetch that fit the host RAM; `run` writes the
 report (results/memory/{cluster}.json) and its plot."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from imgclf import hardware, provenance
+from imgclf import artifacts, hardware, provenance
 from imgclf.errors import UserError
 from imgclf.memory.estimate import (GB, accumulation, breakdown, largest_fitting,
                                     model_profile, round_down)
@@ -226,7 +226,7 @@ def measured_breakdown(measured: dict, per_device: int) -> dict:
 
 
 def report(p: Problem, batch: Batch, accum: int, loader_fit: tuple, warnings: list) -> dict:
-    """The report the later stages read (see `imgclf.plan.Plan`) and the plot draws."""
+    """The report the later stages read (see `imgclf.artifacts.Plan`) and the plot draws."""
     workers, prefetch, host_process, _ = loader_fit
     per_device, hw = batch.per_device, p.hw
     parts_at = p.parts(per_device)
@@ -289,21 +289,12 @@ def solve(memory: dict, model: dict, hw: dict, loader: dict, gpu_here=None) -> d
     return report(p, batch, accum, loader_fit, warnings)
 
 
-def run_stage(memory: dict, model: dict, hw: dict, loader_json, out_json, out_png) -> dict:
+def run(memory: dict, model: dict, hw: dict, loader_json, out_json, out_png) -> dict:
     """solve_memory: reads the loader benchmark of `hw`, solves, logs the plan and its
     warnings, and writes the report with provenance to `out_json` and its plot to `out_png`."""
-    from imgclf import plots
+    from imgclf import plots  # matplotlib only here: Snakemake imports this package to plan
 
-    try:
-        loader = provenance.read_json(loader_json)
-    except FileNotFoundError:
-        raise UserError(f"Loader benchmark {loader_json} does not exist: run `snakemake "
-                        f"{loader_json}` or `imgclf benchmark-loader --cluster {hw['name']}` "
-                        f"first.") from None
-    if loader.get("cluster") != hw["name"]:
-        raise UserError(f"Loader benchmark {loader_json} is for cluster {loader.get('cluster')!r}, "
-                        f"not {hw['name']!r}: pass the file for {hw['name']}.")
-    result = solve(memory, model, hw, loader)
+    result = solve(memory, model, hw, artifacts.loader_report(loader_json, hw["name"]))
     for w in result["warnings"]:
         log.warning("%s", w)
     log.info("%s: per-device batch %d x %d devices x %d nodes x accumulation %d = %d (%s)",

@@ -15,9 +15,12 @@ import torch
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from imgclf import provenance, slurm
+from imgclf import provenance
+from imgclf.slurm import requeue
+from imgclf.slurm import task as slurm_task
 from imgclf.hardware import GB
-from imgclf.progress import PLAIN_EVERY_S
+from imgclf.gradient_noise import NormHook, unbiased_terms
+from imgclf.progress import PLAIN_EVERY_S, hms
 from imgclf.train.resume import supersede
 
 log = logging.getLogger("imgclf.train")
@@ -123,8 +126,6 @@ class ProgressLines(Callback):
 
     def _pace(self, trainer, batches: int) -> str:
         """', 0:01:10 elapsed, 0:03:20 left, 4 % behind the forecast' for this attempt."""
-        from imgclf.forecast import hms
-
         if self._start is None:
             return ""
         t0, f0 = self._start
@@ -193,7 +194,7 @@ class RunRecorder(Callback):
         # after the checkpoint's callback state is restored; also runs when nothing is left to train
         self.attempts += 1
         me = {"rank": trainer.global_rank, "host": socket.gethostname(), "pid": os.getpid(),
-              "torch_threads": torch.get_num_threads(), "slurm": slurm.task_info()}
+              "torch_threads": torch.get_num_threads(), "slurm": slurm_task.task_info()}
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, me)
@@ -244,7 +245,7 @@ class RequeueAtTimeLimit(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.gave_up or (batch_idx + 1) % self.every:
             return
-        asked = torch.tensor([float(slurm.requeue_asked())], device=pl_module.device)
+        asked = torch.tensor([float(requeue.requeue_asked())], device=pl_module.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # one all-reduce: Lightning's strategy.reduce runs a barrier before its own
             torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
@@ -253,7 +254,7 @@ class RequeueAtTimeLimit(Callback):
         path = self.ckpt_dir / "last.ckpt"
         trainer.save_checkpoint(path)  # it ends in a barrier: rank 0 has written it
         if self.requeue(trainer, path):
-            slurm.wait_for_the_requeue()
+            requeue.wait_for_the_requeue()
         self.gave_up = True
 
     @staticmethod
@@ -261,13 +262,13 @@ class RequeueAtTimeLimit(Callback):
         """Rank 0 requeues the job once every rank ends at Slurm's SIGTERM (slurm.py,
         end_at_sigterm); whether it took. If not, SIGTERM's handler is back and training goes
         on."""
-        handler = slurm.end_at_sigterm()
+        handler = requeue.end_at_sigterm()
         trainer.strategy.barrier("requeue")
         requeued = True
         if trainer.is_global_zero:
             log.info("Slurm's time limit is near: saved %s at epoch %d, step %d; requeueing the "
                      "job, which resumes from it", path, trainer.current_epoch, trainer.global_step)
-            requeued = slurm.requeue_job()
+            requeued = requeue.requeue_job()
             if not requeued:
                 log.warning("could not requeue the job (submitted without --requeue?): training "
                             "goes on")
@@ -280,7 +281,7 @@ class RequeueAtTimeLimit(Callback):
 class NoiseScaleLog(Callback):
     """The gradient noise scale B_simple of each epoch, from every rank's local gradient (its
     micro-batches of the step) and the all-reduced one (the global batch), as a DDP
-    communication hook sees them (noise_scale.NormHook). Each step's unbiased |G|^2 and
+    communication hook sees them (gradient_noise.NormHook). Each step's unbiased |G|^2 and
     tr(Sigma) are computed on the device, from the examples the step really had: Lightning
     steps at an epoch's end on a partial accumulation group, whose loss it still divides by the
     full accumulation, so that step's gradient is the share n/k of its micro-batches' mean. At
@@ -297,8 +298,6 @@ class NoiseScaleLog(Callback):
     def on_fit_start(self, trainer, pl_module):
         from torch.nn.parallel import DistributedDataParallel
 
-        from imgclf.noise_scale import NormHook
-
         model = trainer.strategy.model
         if trainer.world_size < 2 or not isinstance(model, DistributedDataParallel):
             return
@@ -311,8 +310,6 @@ class NoiseScaleLog(Callback):
         self.examples += int(batch[0].shape[0])
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        from imgclf.noise_scale import unbiased_terms
-
         if self.hook is None:
             return
         local, reduced = self.hook.take()

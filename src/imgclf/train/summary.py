@@ -1,18 +1,26 @@
 """After training, on global rank 0: one metrics table over every attempt, the curves, the best
-checkpoint as the stage's model, and train_summary.json."""
+checkpoint as the stage's model, and train_summary.json (`finish`)."""
 
 from __future__ import annotations
 
+import logging
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 from imgclf import plots, provenance
+from imgclf.index import BAD_FILES, read_bad_files
+from imgclf.train.callbacks import RunRecorder
+from imgclf.train.job import Job
+from imgclf.train.module import warmup_steps
 
 # With loader workers, a training whose batches waited for the loader this share of the time
 # or more was input-bound (a compute-bound one waits only for the first batches).
 INPUT_BOUND_WAIT = 0.1
+log = logging.getLogger("imgclf.train")
+
 
 def merge_metrics(csv_root: Path):
     """One table over all attempts of this run: each attempt's rows up to where the next
@@ -43,7 +51,6 @@ def merge_metrics(csv_root: Path):
 def copy_atomic(src, dst) -> None:
     with provenance.atomic_path(dst) as tmp:
         shutil.copyfile(src, tmp)
-
 
 
 def keep_best(checkpoint_callback, out_dir: Path) -> dict:
@@ -147,3 +154,95 @@ def write_outputs(out_dir: Path, csv_root: Path, epochs: int, total_steps: int) 
         metrics.to_csv(tmp, index=False)
     plots.train_curves(metrics, max(1, total_steps // epochs), out_dir / "curves.png")
     return metrics
+
+
+def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
+           t_start: float, expected: dict | None = None, noise=None) -> dict:
+    """Rank 0 after fit: metrics, curves, best.ckpt and train_summary.json."""
+    total_steps = int(trainer.estimated_stepping_batches)
+    metrics = write_outputs(job.out_dir, Path(recorder.csv_logger.root_dir), job.epochs,
+                                  total_steps)
+    summary = {
+        "cluster": job.cluster["name"],
+        "completed": trainer.global_step >= job.max_steps if job.max_steps
+        else trainer.current_epoch >= job.epochs,
+        "epochs_planned": job.epochs,
+        "epochs_run": trainer.current_epoch,
+        "best": keep_best(checkpoint, job.out_dir),
+        **results(metrics, throughput),
+        "wall_seconds": round(time.perf_counter() - t_start, 2),
+        "wall_seconds_all_attempts": round(recorder.wall_seconds(), 2),
+        "against_forecast": against_forecast(expected, throughput, job.plan.num_workers),
+        "noise_scale": noise_scale(
+            noise, metrics, job.plan.per_device_batch * job.plan.accumulate_grad_batches,
+            job.plan.global_batch),
+        "attempts": recorder.attempts,
+        "peak_gpu_memory_gb": recorder.peak_gpu_gb,
+        **run_shape(job, trainer),
+        **schedule(job, total_steps),
+        "lr": job.lr,
+        **({"validation": {**job.validation, "max_epochs": job.epochs,
+                           "max_steps": job.max_steps}} if job.validation else {}),
+        "model": job.params["model"],
+        "recipe": job.recipe.as_dict(),
+        "num_classes": len(datamodule.train_set.classes),
+        "train_images": len(datamodule.train_set),
+        "left_out_after_check": sorted(read_bad_files(job.out_dir / BAD_FILES)),
+        "val_images": len(datamodule.val_set),
+        "train_digest": job.digest,
+        "resumed_from": job.resume["info"],
+        "resume_note": job.resume["note"],
+        "checkpoint_dir": str(job.out_dir / "checkpoints"),
+        "seed": job.t["seed"],
+    }
+    inputs = [job.plan.path] + ([job.lr["file"]] if "file" in job.lr else []) \
+        + ([expected["path"]] if expected else [])
+    written = provenance.write_artifact(job.out_dir / "train_summary.json", summary,
+                                        config_slice={**job.params, "train": job.t},
+                                        inputs=inputs)
+    log.info("best val/acc1 %.4f at epoch %d; %s img/s; %.1f s", summary["best"]["val_acc1"],
+             summary["best"]["epoch"], summary["images_per_s"], summary["wall_seconds"])
+    return written
+
+
+def run_shape(job: Job, trainer) -> dict:
+    """How the run was laid out: ranks, hosts, precision, batch."""
+    c, t = job.cluster, job.t
+    return {
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "devices_per_node": int(c["devices_per_node"]),
+        "accelerator": c["accelerator"],
+        "strategy": job.strategy,
+        # SLURMEnvironment: ranks started by srun; LightningEnvironment: by Lightning's launcher
+        "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+        "main_address": (f"{trainer.strategy.cluster_environment.main_address}:"
+                         f"{trainer.strategy.cluster_environment.main_port}"),
+        "ranks": next(cb for cb in trainer.callbacks if isinstance(cb, RunRecorder)).ranks,
+        # the sampler training drew its batches through (Lightning's, or the recipe's own)
+        "train_sampler": type(getattr(trainer.train_dataloader, "sampler", None)).__name__,
+        "sync_batchnorm": bool(t["sync_batchnorm"]) and job.gpu and trainer.world_size > 1,
+        "precision": str(job.params["model"]["precision"]),
+        "channels_last": bool(job.params["model"]["channels_last"]),
+        "compile": bool(t["compile"]),
+        "cudnn_benchmark": bool(t["cudnn_benchmark"]) and job.gpu,
+        "deterministic": bool(t["deterministic"]),
+        "per_device_batch": job.plan.per_device_batch,
+        "accumulate_grad_batches": job.plan.accumulate_grad_batches,
+        "global_batch": job.plan.global_batch,
+        "loader": {"decoder": job.plan.decoder, "num_workers": job.plan.num_workers,
+                   "prefetch_factor": job.plan.prefetch_factor},
+    }
+
+
+def schedule(job: Job, total_steps: int) -> dict:
+    per_epoch = total_steps / job.epochs
+    warm = warmup_steps(job.recipe.warmup_epochs, per_epoch, total_steps, job.warmup_fraction)
+    return {
+        "steps_per_epoch": max(1, total_steps // job.epochs),
+        "total_steps": total_steps,
+        "schedule": {"kind": "linear warm-up, then cosine to 0, per optimizer step",
+                     "warmup_epochs_recipe": job.recipe.warmup_epochs,
+                     "warmup_steps": warm, "warmup_epochs": round(warm / per_epoch, 3),
+                     "start_factor": job.recipe.warmup_start_factor},
+    }

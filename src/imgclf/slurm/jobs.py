@@ -1,8 +1,7 @@
-"""Running the workflow on Slurm (snakemake-executor-plugin-slurm): whether a job goes through
-Slurm, the allocation of the DDP training job, the `srun` line that starts one task per device
-inside it (run through this module's command line, which names the task and node that ended a
-failed step), and the sentences and the status fix the plugin lacks for cancelled jobs and jobs
-removed at their deadline.
+"""What a job of the workflow asks Slurm for: whether a job goes through Slurm at all, the GPU
+pool of a local run, the allocation and srun line of the training job, the GPUs of a one-node
+job, and the training's time request (its forecast's time, up to the partition's limit, with a
+requeue at the limit).
 
 Under srun, Lightning's SLURMEnvironment takes the world size, the ranks and the main address
 from Slurm (SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, the first node of
@@ -10,17 +9,14 @@ SLURM_NODELIST; the port from the job id): no MASTER_ADDR or NODE_RANK is set by
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
-import time
 
-from imgclf.hardware import GB, MIB, local_device_count, usable_cpus
+from imgclf.artifacts import forecast_seconds
+from imgclf.hardware import GB, MIB, local_device_count
 
 # Share of a node's RAM (the cluster entry's ram_gb) the training job asks for per node: the
 # rest stays for the OS and the node's Slurm daemons (a node's RealMemory is below its RAM).
@@ -80,10 +76,6 @@ def train_layout(cluster: dict) -> dict:
     }
 
 
-# srun's line for each task that ended badly, e.g. "srun: error: node7: task 3: Killed"
-TASK_ENDED = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<how>.+)")
-
-
 def srun_command(cluster: dict) -> str:
     """The step that starts the training ranks inside the job's allocation. Each task sees all
     of its node's GPUs (a step gets the job's GRES; no --gpu-bind) because Lightning picks
@@ -100,8 +92,8 @@ STEP_RUNNER = f"{shlex.quote(sys.executable)} -m imgclf.slurm"
 
 
 # The Snakemake resources of a job that trains (train_model, validate_lr_run)
-TRAIN_RESOURCE_KEYS = ("gpu", "launch", "mpi", "nodes", "tasks", "tasks_per_node", "tasks_per_gpu",
-                       "gres", "constraint", "cpus_per_task", "mem_mb_per_cpu")
+TRAIN_RESOURCE_KEYS = ("gpu", "launch", "mpi", "nodes", "tasks", "tasks_per_node",
+                       "tasks_per_gpu", "gres", "constraint", "cpus_per_task", "mem_mb_per_cpu")
 # The Snakemake resources of a job that asks for GPUs of its entry's model on one node
 GPU_RESOURCE_KEYS = ("gpu", "gpu_model", "constraint")
 # Slurm names a GPU type with letters, digits, `_` and `.` (the plugin's own check)
@@ -172,8 +164,6 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
         "launch": launch,
         "mpi": launch if world > 1 else "",
     }
-
-
 def train_resource(workflow, cluster: dict, key: str):
     """One of train_resources, as the rule's resource lambdas ask for it."""
     return train_resources(cluster, workflow_on_slurm(workflow))[key]
@@ -186,7 +176,7 @@ def train_resource(workflow, cluster: dict, key: str):
 # the limit (--signal, no `B:`: the step's tasks, not the batch shell); the ranks agree on it at
 # their next check, save last.ckpt and requeue the job (`scontrol requeue`: the same job id,
 # which the executor plugin keeps waiting on), which starts again and resumes from it.
-RUNTIME_MARGIN = 1.25  # the forecast misses by up to 15 % on this project's benchmarks
+RUNTIME_MARGIN = 1.25  # the forecast's error (docs/benchmarks.md, "Forecast against actual")
 STARTUP_MINUTES = 10  # start-up, data set index, loader workers, checkpoint writes
 REQUEUE_LEAD_S = 300  # a check (10 batches), a validation pass, a checkpoint, Slurm's 60 s
 START_WITHIN_MINUTES = 1440  # a training job not started a day after its submission is removed
@@ -198,10 +188,8 @@ def train_request(forecast_path: str, cluster: dict) -> tuple[int, float]:
     the forecast: its time with RUNTIME_MARGIN and STARTUP_MINUTES, capped by the partition's
     limit (`slurm_time_limit_minutes`; also what a plan without a forecast for its hardware
     asks for, and then the whole training's time too)."""
-    from imgclf.provenance import read_json
-
     limit = int(cluster["slurm_time_limit_minutes"])
-    total_s = read_json(forecast_path).get("total_s")
+    total_s = forecast_seconds(forecast_path)
     if total_s is None:
         return limit, limit
     minutes = total_s * RUNTIME_MARGIN / 60 + STARTUP_MINUTES
@@ -223,194 +211,3 @@ def train_slurm_extra(forecast_path: str, cluster: dict) -> str:
     lead = min(REQUEUE_LEAD_S, runtime * 30)
     return (f"--requeue --signal=USR1@{lead} --open-mode=append "
             f"--deadline=now+{deadline}minutes")
-
-
-_requeue_asked = False
-
-
-def catch_requeue_signal() -> None:
-    """In a training rank that srun started: note Slurm's SIGUSR1 (its default action would end
-    the rank) for the training to act on at its next check. Installed first thing, so that a
-    signal during start-up is caught too; Lightning then installs no handler of its own. Slurm
-    sends it to every process of the step: a loader worker forked from the rank only notes it
-    in its own memory, and the fork server, its workers and the resource tracker, which start
-    by exec and would die of it, start with it blocked (data.start_forkserver). At exit it is
-    ignored: Python
-    restores the default action of the signals it handles as it shuts down, so a signal just
-    after a training completed would otherwise end the rank and fail the job."""
-    def note(signum, frame):
-        global _requeue_asked
-        _requeue_asked = True
-
-    if "SLURM_PROCID" in os.environ and "SLURM_JOB_ID" in os.environ:
-        signal.signal(signal.SIGUSR1, note)
-        atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
-
-
-def requeue_asked() -> bool:
-    return _requeue_asked
-
-
-def requeue_job() -> bool:
-    """`scontrol requeue` this job (it must have been submitted with --requeue); whether it
-    took."""
-    job = os.environ["SLURM_JOB_ID"]
-    res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    if res.returncode:
-        sys.stderr.write(f"scontrol requeue {job} failed: {res.stderr.strip()}\n")
-    return res.returncode == 0
-
-
-def end_at_sigterm():
-    """From now on SIGTERM ends this rank at once; the handler it replaces. Set on every rank
-    before the job is requeued, as Slurm ends the run with SIGTERM and, KillWait seconds later
-    (30 by default), SIGKILL. Lightning's SIGTERM handler (installed under Slurm) would keep the
-    rank alive and run a broadcast from inside the handler, which pairs with whatever collective
-    the other rank is in: a mismatch that aborts one rank and leaves the other waiting for the
-    SIGKILL, holding its nodes from the next start."""
-    return signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def wait_for_the_requeue(seconds: float = 600) -> None:
-    """After `scontrol requeue`, until Slurm's SIGTERM ends this run (end_at_sigterm): training
-    must not go on past its checkpoint meanwhile."""
-    time.sleep(seconds)
-    raise RuntimeError(f"the job was requeued but still ran {seconds:.0f} s later")
-
-
-def cpu_threads_per_rank(devices_per_node: int) -> int:
-    """Torch threads of one CPU training rank. The ranks of a node share the CPUs this process
-    may use: Lightning's launcher starts them with this process's affinity, and so does srun on
-    a cluster that does not bind tasks (TaskPlugin=task/none). Where Slurm binds each task to its
-    own CPUs (task/affinity, task/cgroup), the affinity already is this rank's share."""
-    cpus = usable_cpus()
-    per_task = os.environ.get("SLURM_CPUS_PER_TASK")
-    if "SLURM_PROCID" in os.environ and per_task and cpus <= int(per_task):
-        return cpus
-    return max(1, cpus // devices_per_node)
-
-
-# The variables a hand-made launch would set, as this process found them when the package was
-# imported: before Lightning's SLURMEnvironment or the process group derive them from Slurm's.
-LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-LAUNCH_VARS_AT_START = {k: os.environ[k] for k in LAUNCH_VARS if k in os.environ}
-
-
-def task_info() -> dict | None:
-    """This process's Slurm job, step, task and node, as recorded for each training rank, and
-    the launch variables it was started with (None when Slurm did not start it)."""
-    if "SLURM_PROCID" not in os.environ:
-        return None
-    keys = {"job_id": "SLURM_JOB_ID", "step_id": "SLURM_STEP_ID", "procid": "SLURM_PROCID",
-            "localid": "SLURM_LOCALID", "nodeid": "SLURM_NODEID", "ntasks": "SLURM_NTASKS",
-            "node": "SLURMD_NODENAME", "step_nodes": "SLURM_STEP_NODELIST"}
-    return {**{k: os.environ.get(v) for k, v in keys.items()},
-            "launch_vars_at_start": LAUNCH_VARS_AT_START}
-
-
-def first_failure(srun_stderr: list[str]) -> dict | None:
-    """The task that ended the step, from srun's "task N: <how>" lines: the first one that
-    srun did not kill itself (--kill-on-bad-exit ends the others with SIGTERM, "Terminated"),
-    else the first one at all."""
-    ended = [m.groupdict() for m in map(TASK_ENDED.search, srun_stderr) if m]
-    own = [e for e in ended if e["how"].strip() != "Terminated"]
-    return (own or ended or [None])[0]
-
-
-def option(command: list[str], name: str) -> str | None:
-    """The value of `name` in a command line (`--log x` or `--log=x`)."""
-    for i, word in enumerate(command):
-        if word == name and i + 1 < len(command):
-            return command[i + 1]
-        if word.startswith(name + "="):
-            return word.split("=", 1)[1]
-    return None
-
-
-def slurm_log() -> str:
-    """Where Slurm writes this job's output (the step's tasks print there too)."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if job:
-        show = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True)
-        m = re.search(r"StdOut=(\S+)", show.stdout)
-        if m:
-            return m.group(1)
-    return "this job's Slurm log"
-
-
-def failure_sentence(failure: dict, command: list[str], returncode: int) -> str:
-    """One sentence: which task on which node ended the step, where to read why, what next."""
-    logs = [path for path in (option(command, "--log"), slurm_log()) if path]
-    out_dir = option(command, "--out-dir")
-    again = (f"; run the workflow again to resume from {out_dir}/checkpoints/last.ckpt"
-             if out_dir else "")
-    if failure is None:
-        return (f"The srun step failed (exit code {returncode}) before any task ended; "
-                f"see {' and '.join(logs)}{again}.")
-    return (f"Task {failure['tasks']} on node {failure['node']} ended ({failure['how'].strip()}) "
-            f"and srun stopped the step's other tasks; see {' and '.join(logs)}{again}.")
-
-
-def run_step(srun: list[str]) -> int:
-    """Run the srun line of a training step, passing its output through; when it fails, add one
-    sentence naming the task and node that ended it (srun's own lines are scattered among the
-    ranks' output of every node) and the logs."""
-    proc = subprocess.Popen(srun, stderr=subprocess.PIPE, text=True, errors="replace")
-    seen = []
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        if line.startswith("srun: error:"):
-            seen.append(line)
-    returncode = proc.wait()
-    if returncode:
-        sentence = failure_sentence(first_failure(seen), srun, returncode)
-        sys.stderr.write(sentence + "\n")
-        log = option(srun, "--log")
-        if log:  # rank 0's log, which Snakemake shows first; its writer has ended
-            with open(log, "a") as f:
-                f.write(sentence + "\n")
-    return returncode
-
-
-def job_states_without_who(plugin=None) -> None:
-    """Make the Slurm executor plugin see a cancelled job as cancelled.
-
-    sacct reports a job that a user cancelled as "CANCELLED by <uid>". Versions of the plugin
-    that read states through `query_job_status` (2.8.0) compare them as whole strings, so they
-    never see that job end and the workflow waits for it forever; older ones (2.1.0, whose
-    `Executor.job_stati` keeps the first word) need nothing. This drops the " by <uid>" before
-    the plugin reads the states. Idempotent."""
-    if plugin is None:
-        import snakemake_executor_plugin_slurm as plugin
-    query = getattr(plugin, "query_job_status", None)
-    if query is None or getattr(query, "drops_who", False):
-        return
-
-    async def query_without_who(command, logger):
-        states, seconds = await query(command, logger)
-        if states:
-            states = {job: state.split(" by ")[0] for job, state in states.items()}
-        return states, seconds
-
-    query_without_who.drops_who = True
-    plugin.query_job_status = query_without_who
-
-
-def deadline_sentences(snakemake_logs) -> list[str]:
-    """One sentence per job that Slurm removed for its --deadline (the plugin's own message
-    says only "status is: 'DEADLINE'. Reason: Unknown"): it never started. `snakemake_logs`:
-    the log file(s) Snakemake hands to `onerror`."""
-    text = ""
-    for path in [snakemake_logs] if isinstance(snakemake_logs, str) else snakemake_logs:
-        with open(path, errors="replace") as f:
-            text += f.read()
-    jobs = dict.fromkeys(re.findall(r"SLURM-job '(\d+)' failed, SLURM status is: 'DEADLINE'",
-                                    text))
-    return [f"Slurm job {job} could not start before its deadline and was removed: the nodes it "
-            f"needs are down or busy (`sinfo -R` lists down nodes and why); run the workflow "
-            f"again when they are back, or allow a longer wait in the `--deadline` of the rule's "
-            f"`slurm_extra` in your profile." for job in jobs]
-
-
-if __name__ == "__main__":
-    sys.exit(run_step(sys.argv[1:]))

@@ -1,0 +1,76 @@
+"""The Lightning Trainer of a training run: its strategy, precision, accumulation and schedule
+length from the job, its loggers, and Lightning's own logging quietened."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+
+from imgclf.slurm import task as slurm_task
+from imgclf.train.callbacks import AtomicCheckpointIO
+from imgclf.train.job import Job, collective_timeout
+
+
+def trainer_options(job: Job) -> dict:
+    """The Trainer's arguments that follow from the hardware entry, the plan and `train.*`.
+
+    DDP on GPUs (NCCL) and CPU ranks (gloo); one device and no DDP on Apple's MPS, which
+    Lightning runs with a single-device strategy only. SyncBatchNorm only where asked for, as
+    it costs about two collectives and a host synchronisation per BN layer per step."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    c, t = job.cluster, job.t
+    world = int(c["devices_per_node"]) * int(c["nodes"])
+    if c["accelerator"] == "mps":
+        placement = {"strategy": "auto", "plugins": [AtomicCheckpointIO()]}
+    else:
+        placement = {"strategy": DDPStrategy(process_group_backend=job.backend,
+                                             checkpoint_io=AtomicCheckpointIO(),
+                                             timeout=collective_timeout(t))}
+    return {
+        "accelerator": c["accelerator"], "devices": int(c["devices_per_node"]),
+        "num_nodes": int(c["nodes"]), **placement,
+        "sync_batchnorm": bool(t["sync_batchnorm"]) and job.gpu and world > 1,
+        "precision": str(job.params["model"]["precision"]),
+        "accumulate_grad_batches": job.plan.accumulate_grad_batches,
+        "max_epochs": job.epochs, "max_steps": job.max_steps or -1,
+        "benchmark": bool(t["cudnn_benchmark"]) if job.gpu else None,
+        "deterministic": bool(t["deterministic"]),
+        "default_root_dir": job.out_dir, "log_every_n_steps": int(t["log_every_n_steps"]),
+        "limit_train_batches": t["limit_train_batches"],
+        "limit_val_batches": t["limit_val_batches"],
+    }
+
+
+def build_trainer(job: Job, loggers: list, callbacks: list, show_bar: bool) -> L.Trainer:
+    if not job.gpu:
+        # Snakemake exports OMP_NUM_THREADS=<job threads>, and Lightning then leaves every rank
+        # that many threads: more threads than cores, which slows every rank. Share the cores.
+        torch.set_num_threads(slurm_task.cpu_threads_per_rank(int(job.cluster["devices_per_node"])))
+    return L.Trainer(**trainer_options(job), logger=loggers, callbacks=callbacks,
+                     enable_progress_bar=show_bar)
+
+
+def build_loggers(out_dir: Path) -> list:
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers = [CSVLogger(out_dir / "logs", name="csv", flush_logs_every_n_steps=1)]
+    try:
+        import tensorboard  # noqa: F401 - only to learn whether it is installed
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(out_dir / "logs", name="tensorboard"))
+    except ImportError:
+        pass
+    return loggers
+
+
+def quiet_lightning() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric"):  # one handler: the root's (stage.py)
+        logging.getLogger(name).handlers.clear()
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")

@@ -1,0 +1,155 @@
+"""The package's plan, checked from its own imports: no import loop (an import inside a function
+counts: it runs), and each rule's `code(...)` inputs exactly the modules its stage runs, so that
+an edit that changes a stage's results always reruns it, and an edit that cannot never does (a
+training least of all)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, copy_workflow, snakemake
+
+PACKAGE = REPO / "src" / "imgclf"
+
+# Modules no stage's figures depend on, with the reason: a rule never lists them, so that
+# editing them reruns nothing.
+NEUTRAL = {
+    "errors": "the exception type of a user's mistake: how a stage stops, never what it computes",
+    "stage": "logging set-up and the one-sentence exit of a script",
+    "progress": "progress lines and time formatting in the logs",
+    "provenance": "the record of what made an artifact, and atomic writes: never its figures",
+    "settings": "the config's loading and validation: what it yields reaches each rule as its "
+                "params, which Snakemake compares on every run",
+    "slices": "each rule's slice of the config: its params, compared on every run",
+    "cuda_builds": "which torch build runs on which GPU: it refuses what cannot run, and "
+                   "changes no figure",
+    "slurm": "how jobs are submitted and ranks started, locally or under Slurm: the same "
+             "training either way",
+    "cli": "the command line's parsing and dispatch (the shell rules' entry point)",
+}
+# ... and per rule: a training's curves are redrawn from its metrics.csv, never retrained for
+NEUTRAL_FOR = {"train_model": {"plots"}, "validate_lr_run": {"plots"}}
+# a shell rule's command: the `imgclf` sub-command, and the module it runs
+SUBCOMMANDS = {"train": "train", "evaluate": "evaluate"}
+
+
+def modules() -> dict[str, Path]:
+    """imgclf's modules by dotted name (a package by its own name)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(path: Path, name: str, known: dict) -> set[str]:
+    """The imgclf modules `path` imports anywhere in it (a function's imports too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target.startswith("imgclf.") and target != name:
+                out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, name, known) for name, path in known.items()}
+
+
+def unit(module: str) -> str:
+    """What a rule's code() names: the module under imgclf, or its sub-package."""
+    return module.split(".")[1]
+
+
+def closure(graph: dict, start: set[str], through=lambda module: True) -> set[str]:
+    """The modules `start` imports, directly or through others (those `through` lets pass)."""
+    seen, todo = set(), list(start)
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph.get(m, ()) if through(m) else ()
+    return seen
+
+
+def test_the_package_has_no_import_loop():
+    """No module reaches itself through the imports of others, not even through an import
+    inside a function (which would exist only to hide the loop from Python)."""
+    graph = import_graph()
+    in_a_loop = sorted(m for m in graph if m in closure(graph, graph[m]))
+    assert not in_a_loop, f"modules that import themselves through others: {in_a_loop}"
+
+
+def rule_entries() -> dict[str, set[str]]:
+    """{rule: the imgclf modules its action runs}: a script's imports, or the module of the
+    `imgclf` sub-command of a shell rule."""
+    entries = {}
+    for smk in (REPO / "workflow" / "rules").glob("*.smk"):
+        blocks = re.split(r"^(?:rule|checkpoint) (\w+):", smk.read_text(), flags=re.M)
+        for rule, body in zip(blocks[1::2], blocks[2::2]):
+            script = re.search(r'script:\s*"([^"]+)"', body)
+            if script:
+                path = (smk.parent / script.group(1)).resolve()
+                tree = ast.parse(path.read_text())
+                entries[rule] = {f"imgclf.{a.name}" for node in ast.walk(tree)
+                                 if isinstance(node, ast.ImportFrom) and node.module == "imgclf"
+                                 for a in node.names} - {"imgclf.stage"}
+            command = re.search(r"\{params\.imgclf(?::q)?\} (\w+)", body)
+            if command:
+                entries[rule] = {f"imgclf.{SUBCOMMANDS[command.group(1)]}"}
+    return entries
+
+
+@pytest.fixture(scope="module")
+def listed_code(tmp_path_factory) -> dict[str, set[str]]:
+    """{rule: the units its code() inputs name}, as Snakemake plans every job of the demo
+    through evaluation, the report tables and the LR validation."""
+    work = copy_workflow(tmp_path_factory.mktemp("structure") / "wf")
+    res = snakemake(work, "-n", "--forceall", "all", "results/lr/local_validation.json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    listed, rule = {}, None
+    for line in res.stdout.splitlines():
+        if m := re.fullmatch(r"(?:local)?(?:rule|checkpoint) (\w+):", line.strip()):
+            rule = m.group(1)
+        elif rule and line.strip().startswith("input:"):
+            files = re.findall(r"src/imgclf/([\w/]+)\.py", line)
+            listed.setdefault(rule, set()).update(f.split("/")[0] for f in files)
+    return listed
+
+
+def test_each_rule_lists_the_code_its_stage_runs(listed_code):
+    """A rule's code() inputs are the modules its stage imports, all of them (an edit there
+    reruns the stage) and only them, less those that cannot change its results (NEUTRAL)."""
+    graph = import_graph()
+    problems = []
+    for rule, entry in sorted(rule_entries().items()):
+        neutral = set(NEUTRAL) | NEUTRAL_FOR.get(rule, set())
+        # what a neutral module imports reaches no figure through it
+        runs = {unit(m) for m in closure(graph, entry, lambda m: unit(m) not in neutral)}
+        runs -= neutral
+        listed = listed_code.get(rule, set())
+        if runs - listed:
+            problems.append(f"{rule} runs {sorted(runs - listed)} but does not list them")
+        if listed - runs:
+            problems.append(f"{rule} lists {sorted(listed - runs)}, which it does not run or "
+                            f"which cannot change its results")
+    assert not problems, problems
