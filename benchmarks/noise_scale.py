@@ -49,7 +49,8 @@ def context(work: Path) -> dict:
     return {"plan": Plan.read(work / "results/memory/local.json", "local"),
             "lr": LRSummary.read(work / "results/lr/local_summary.json"),
             "source": slices.index_files("local")["train"], "model": config["model"],
-            "hw": settings.cluster(config, "local")}
+            "hw": settings.cluster(config, "local"),
+            "training": slices.training_length(config), "share": config["measurement_share"]}
 
 
 def spread(c: dict, seeds: int, steps: int, accumulate: int) -> dict:
@@ -61,7 +62,7 @@ def spread(c: dict, seeds: int, steps: int, accumulate: int) -> dict:
     for seed in range(seeds):
         cfg = {"steps": steps, "accumulate": accumulate, "seed": seed}
         m = noise_scale.measure(c["source"], c["model"], c["hw"], c["plan"], c["lr"], cfg,
-                                threads=2)
+                                c["training"], c["share"], threads=2)
         h = m["history"]
         for n in counts:
             by_n[n].append(gradient_noise.estimate(h["small_sq"][:n], h["big_sq"][:n],

@@ -130,7 +130,7 @@ REDUCED = {
     "loader": {"decoders": ["pil"], "workers": [0], "measure_baseline": False,
                "seconds_per_config": 0.3, "windows": 2, "warmup_batches": 1},
     "lr_finder": {"runs": 2, "num_iter": 40},
-    "noise_scale": {"steps": 6, "accumulate": 2},
+    "noise_scale": {"accumulate": 2},  # steps: auto, the floor of 10 on 2 epochs
     "train": {"epochs": 2},
 }
 RUN_TIMEOUT = 900

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from imgclf import forecast, hardware, report_tables
+from imgclf import budget, forecast, hardware, report_tables
 from imgclf.errors import UserError
 from imgclf.artifacts import Plan
 from imgclf.train import summary as after
@@ -82,11 +82,11 @@ def base_fields(f: dict) -> dict:
 def test_batches_per_epoch_follow_the_sampler_and_the_limits():
     # a distributed sampler pads 1,438 images to 719 per rank: 11 full batches of 64 to train
     # (the ragged one dropped), 12 to validate (the last one short)
-    assert forecast.batches_per_rank(1438, 2, 64, True, None) == 11
-    assert forecast.batches_per_rank(1438, 2, 64, False, None) == 12
-    assert forecast.batches_per_rank(1438, 2, 64, True, 4) == 4
-    assert forecast.batches_per_rank(1438, 2, 64, True, 0.5) == 5
-    assert forecast.batches_per_rank(40, 2, 64, True, None) == 1  # all there is
+    assert budget.batches_per_rank(1438, 2, 64, True, None) == 11
+    assert budget.batches_per_rank(1438, 2, 64, False, None) == 12
+    assert budget.batches_per_rank(1438, 2, 64, True, 4) == 4
+    assert budget.batches_per_rank(1438, 2, 64, True, 0.5) == 5
+    assert budget.batches_per_rank(40, 2, 64, True, None) == 1  # all there is
 
 
 def lr_run(device="cuda:0", name="NVIDIA A10G", steps=30, wait=0.01, step=0.11, accum=1):
@@ -144,7 +144,8 @@ plan = Plan(path="m.json", cluster="g5", per_device_batch=8, accumulate_grad_bat
             devices_per_node=2, nodes=1, num_workers=0, prefetch_factor=2, decoder="pil")
 print(json.dumps(forecast.measure_cpu_ranks({"arch": "resnet18", "recipe": "demo",
                                              "resolution": 16, "precision": "32",
-                                             "channels_last": False}, plan, classes=10)))
+                                             "channels_last": False}, plan, classes=10,
+                                            size={"units": 5})))
 """
 
 
@@ -172,10 +173,34 @@ def test_cpu_ranks_are_forecast_at_their_side_by_side_step(tmp_path, monkeypatch
     cpu = {**G5, "name": "local", "gpus_per_node": 0, "accelerator": "cpu", "devices_per_node": 2}
     runs = [lr_run(device="cpu", name="cpu (this machine)")]
     f = forecast.make(runs, {"choice": {"images_per_s": 1e6}}, plan(4, devices=2), cpu, MODEL,
-                      TRAIN, *indexes(tmp_path))
+                      TRAIN, *indexes(tmp_path), 0.02)
     assert f["scaling_efficiency"]["value"] == pytest.approx(0.625)
     assert f["compute_bound_images_per_s"] == pytest.approx(2 * 64 / 1.6, abs=0.1)
     assert f["epoch_train_s"] == pytest.approx(10 * 1.6, abs=0.01)  # 1,280 / 2 / 64 batches
+
+
+def test_the_stages_before_training_are_stated_against_it(tmp_path):
+    """Each stage's job time from its artifacts' provenance (side-by-side runs added up), the
+    forecast's own, and their sum as a share of the forecast training; a stage an older version
+    wrote is named, not counted as nothing."""
+    def artifact(name, seconds):
+        path = tmp_path / f"{name}.json"
+        prov = {} if seconds is None else {"job_seconds": seconds}
+        path.write_text(json.dumps({"provenance": prov}))
+        return str(path)
+
+    stages = {"loader benchmark": [artifact("loader", 20.0)],
+              "LR runs": [artifact("run0", 30.0), artifact("run1", 31.0)]}
+    b = forecast.stages_before_training(stages, 9.0, training_s=900.0)
+    assert b["job_seconds"] == {"loader benchmark": 20.0, "LR runs": 61.0, "forecast": 9.0}
+    assert b["total_s"] == 90.0 and b["share_of_training"] == pytest.approx(0.1)
+    assert b["sentence"] == ("The stages before training took 0:01:30 of job time, 10.0% of "
+                             "the forecast training time")
+    old = forecast.stages_before_training({**stages, "memory solve": [artifact("m", None)]},
+                                          9.0, training_s=None)
+    assert old["unrecorded"] == ["memory solve"] and old["share_of_training"] is None
+    assert old["sentence"].endswith("(without memory solve: written by an older version, "
+                                    "untimed)")
 
 
 def test_training_records_the_forecast_against_what_it_took():
@@ -211,10 +236,10 @@ def test_the_forecast_says_how_the_timed_steps_differ_from_training(tmp_path):
     """The LR runs time their steps with training's cuDNN autotuning but never compiled: a
     training that compiles gets a forecast that says so, not one that pretends."""
     eager = forecast.make([lr_run()], {"choice": {"images_per_s": 1e6}}, plan(4), G5, MODEL,
-                          TRAIN, *indexes(tmp_path))
+                          TRAIN, *indexes(tmp_path), 0.02)
     assert eager["forecast_for_entry"] and "unlike_training" not in eager["step_timing"]
     compiled = forecast.make([lr_run()], {"choice": {"images_per_s": 1e6}}, plan(4), G5, MODEL,
-                             {**TRAIN, "compile": True}, *indexes(tmp_path))
+                             {**TRAIN, "compile": True}, *indexes(tmp_path), 0.02)
     assert "`train.compile`" in compiled["step_timing"]["unlike_training"]
 
 

@@ -507,7 +507,7 @@ def test_each_single_device_stage_refuses_emulated_bf16_before_it_starts(demo_ro
         lr_find.find(str(demo_root), model, p3, plan=None, cfg={"seed": 0}, run=0)
     with pytest.raises(hardware.UserError, match="use `model.precision: 16-mixed`"):
         noise_scale.measure(str(demo_root), model, p3, plan=None, lr=None,
-                            cfg={"seed": 0, "accumulate": 2, "steps": 2})
+                            cfg={"seed": 0, "accumulate": 2, "steps": 2}, planned=None, share=0)
     with pytest.raises(hardware.UserError, match="use `model.precision: 16-mixed`"):
         evaluate.pick_device(settings.cluster(settings.load(), "p3"), "bf16-mixed")
 
@@ -556,7 +556,8 @@ def claim_then_check(stage: str, demo_root):
     cfg = {**settings.section({}, "lr_finder"), **settings.section({}, "noise_scale")}
     return {"LR run": lambda: lr_find.find(str(demo_root), model, p3, plan, cfg, 0),
             "noise scale": lambda: noise_scale.measure(str(demo_root), model, p3, plan, None,
-                                                       cfg),
+                                                       cfg, {"epochs": 1,
+                                                             "limit_train_batches": None}, 0.02),
             "evaluation": lambda: evaluate.pick_device(p3, "32"),
             "training": lambda: train_job.check_hardware(p3, "32")}[stage]()
 

@@ -332,6 +332,25 @@ def lr_jobs_timeline(output: str) -> list[tuple[str, int]]:
     return events
 
 
+@pytest.mark.parametrize("runs, cores, threads", [(3, 2, [1, 1, 2]), (3, 8, [2, 2, 2]),
+                                                   (5, 2, [1, 1, 1, 1, 2]), (2, 2, [1, 1])])
+def test_cpu_lr_runs_share_the_cores_and_leave_none_idle(workflow_copy, runs, cores, threads):
+    """The threads Snakemake's own plan gives each LR run of a CPU entry: side by side in rounds
+    of at most `cores` runs, a run takes its round's share of the cores, so the third of three
+    runs on two cores runs on both instead of alone on one."""
+    (workflow_copy / "x.yaml").write_text(
+        f"lr_finder: {{runs: {runs}}}\nclusters: {{local: {{cpus_per_node: {cores}}}}}\n")
+    res = snakemake(workflow_copy, "-n", "--cores", str(cores), "results/lr/local_summary.json",
+                    "--configfile", "x.yaml")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    planned = {}
+    for job in re.split(r"\n(?=\s*(?:local)?(?:rule|checkpoint) )", res.stdout + res.stderr):
+        if m := re.match(r"\s*rule lr_find:.*?run=(\d+)", job, re.S):
+            t = re.search(r"threads: (\d+)", job)  # Snakemake names it only above 1
+            planned[int(m.group(1))] = int(t.group(1)) if t else 1
+    assert [planned[r] for r in range(runs)] == threads
+
+
 def test_lr_runs_take_one_gpu_each_and_never_more_than_there_are(workflow_copy, tmp_path):
     """The README's `snakemake results/lr/g5_summary.json` on a machine with 2 GPUs (the
     stand-in nvidia-smi) and 4 runs: with no `gpu` pool given, the workflow takes the 2 GPUs it

@@ -85,6 +85,36 @@ def test_the_paper_model_gives_the_figures_the_report_words():
     assert noise_scale.time_ratio(1000, 2000, 1000) == pytest.approx(1.5 / 2)
 
 
+def test_auto_steps_are_a_share_of_the_training_with_a_floor():
+    """`steps: auto` on a plan of per-device batch 64, 2 ranks, 1,438 training images (11
+    batches a rank) and 4 micro-batches a step: a long training gets 2 % of its images per
+    device; a short one the floor of 10 steps, and a note that says what they cost; a number
+    set by hand is taken as it is, with its share."""
+    from types import SimpleNamespace
+
+    from imgclf.artifacts import Plan
+
+    plan = Plan(path="m.json", cluster="local", per_device_batch=64, accumulate_grad_batches=1,
+                devices_per_node=2, nodes=1, num_workers=0, prefetch_factor=None,
+                decoder="pil")
+    run = SimpleNamespace(batch=64, loader=SimpleNamespace(dataset=range(1438)),
+                          recipe=SimpleNamespace(epochs=12))
+    cfg = {"steps": "auto", "accumulate": 4}
+    per_epoch = 11 * 64
+    long = noise_scale.steps_for(cfg, run, plan, {"epochs": 2000, "limit_train_batches": None},
+                                 0.02)
+    assert long["units"] == int(0.02 * 2000 * per_epoch / 256) == 110 and long["note"] is None
+    assert long["share_of_training"] == pytest.approx(0.02, rel=0.01)
+    short = noise_scale.steps_for(cfg, run, plan, {"epochs": None, "limit_train_batches": None},
+                                  0.02)  # the recipe's 12 epochs
+    assert short["units"] == noise_scale.MIN_STEPS == 10
+    assert short["share_of_training"] == pytest.approx(10 * 256 / (12 * per_epoch))
+    assert "the fewest its statistics allow, take 30% of the planned training" in short["note"]
+    by_hand = noise_scale.steps_for({**cfg, "steps": 3}, run, plan,
+                                    {"epochs": None, "limit_train_batches": None}, 0.02)
+    assert (by_hand["units"], by_hand["set_by"]) == (3, "noise_scale.steps")
+
+
 def test_the_forecast_prices_the_other_device_counts():
     adv = noise_scale.advice(256, 4, 1024)
     forecast = {"forecast_for_entry": True, "total_s": 7200, "device_hours": 8.0,

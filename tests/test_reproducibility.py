@@ -107,7 +107,9 @@ CONFIG_CASES = {
     "lr_finder: skip_end": ("lr_finder: {skip_end: 3}", LR_SUMMARY),
     "lr_finder: gradient": ("lr_finder: {gradient: index}", LR_SUMMARY),
     "lr_finder: until_minimum": ("lr_finder: {until_minimum: false}", LR_SUMMARY),
-    "train": ("train: {epochs: 3}", SETTINGS | FORECAST),
+    # the training's length sizes the noise scale's steps (`steps: auto`)
+    "train": ("train: {epochs: 3}", SETTINGS | NOISE),
+    "measurement_share": ("measurement_share: 0.5", NOISE),
     "train: a key the forecast does not read": ("train: {save_top_k: 2}", SETTINGS),
     "train: the noise scale's logging switch": ("train: {noise_scale: false}", SETTINGS),
     "train: the collective timeout": ("train: {collective_timeout_minutes: 60}", SETTINGS),
@@ -279,6 +281,7 @@ DECLARED_INPUTS = {
                                       "results/memory/local.json"],
     "results/noise/local.json": ["results/memory/local.json", "results/lr/local_summary.json"],
     "results/forecast/local.json": ["results/lr/local/run0.json", "results/lr/local/run1.json",
+                                    "results/lr/local_summary.json",
                                     "results/loader/local.json", "results/memory/local.json",
                                     "results/noise/local.json",
                                     "results/hydration/local.train.tsv",
@@ -316,6 +319,7 @@ def test_every_json_artifact_carries_complete_provenance(demo_run):
         assert hw["cuda"] == torch.version.cuda, f  # also where the stage never imports torch
         wf = p["workflow"]
         assert isinstance(wf["dirty"], bool), f
+        assert p["job_seconds"] > 0, f  # the writing job's wall time so far
         known = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e",
                                 f"{wf['revision']}^{{commit}}"], capture_output=True)
         assert known.returncode == 0, (f, wf)  # a commit of this repository
@@ -444,6 +448,19 @@ def test_the_forecast_comes_before_training_and_beside_its_outcome(demo_run):
     assert "results/forecast/local.json" in s["provenance"]["inputs"]
     page = (demo_run / "results/report/local/forecast.html").read_text()
     assert html.escape(forecast.sentence(f)) in page
+    # what the stages before it took, from their artifacts, against the training it forecast
+    before = f["before_training"]
+    assert list(before["job_seconds"]) == ["hydration check", "loader benchmark", "memory solve",
+                                           "LR runs", "LR summary", "noise scale", "forecast"]
+    assert all(s > 0 for s in before["job_seconds"].values()) and not before["unrecorded"]
+    runs = sum(json.loads((demo_run / f"results/lr/local/run{i}.json").read_text())
+               ["provenance"]["job_seconds"] for i in range(REDUCED["lr_finder"]["runs"]))
+    assert before["job_seconds"]["LR runs"] == pytest.approx(runs, abs=0.1)
+    assert before["share_of_training"] == pytest.approx(before["total_s"] / f["total_s"],
+                                                        rel=1e-3)
+    assert f"{before['share_of_training']:.1%} of the forecast training time" in \
+        before["sentence"]
+    assert html.escape(before["sentence"]) in page
 
 
 def test_the_noise_scale_before_training_and_during_it(demo_run):
@@ -454,10 +471,17 @@ def test_the_noise_scale_before_training_and_during_it(demo_run):
 
     noise = json.loads((demo_run / "results/noise/local.json").read_text())
     memory = json.loads((demo_run / "results/memory/local.json").read_text())
-    steps, accumulate = REDUCED["noise_scale"]["steps"], REDUCED["noise_scale"]["accumulate"]
+    accumulate = REDUCED["noise_scale"]["accumulate"]
     assert noise["small_batch"] == memory["per_device_batch"]
     assert noise["big_batch"] == accumulate * memory["per_device_batch"]
-    assert noise["steps"] == len(noise["history"]["big_sq"]) == steps
+    # `steps: auto`: 2 % of a 2-epoch training is less than the 10 steps the estimate needs,
+    # which the artifact says
+    budget = noise["budget"]
+    assert noise["steps"] == len(noise["history"]["big_sq"]) == budget["units"] == 10
+    per_device = 11 * 64 * REDUCED["train"]["epochs"]  # 1,438 images: 719 a rank, 11 batches
+    assert budget["share_of_training"] == pytest.approx(10 * accumulate * 64 / per_device)
+    assert budget["set_by"] == "measurement_share" and "above the 2% share" in budget["note"]
+    assert "above the 2% share" in (demo_run / "logs/noise/local.log").read_text()
     assert noise["global_batch"] == memory["global_batch"]
     sentence = noise["advice"]["sentence"]
     if noise["b_simple"] is None:

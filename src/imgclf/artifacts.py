@@ -155,6 +155,14 @@ def noise_scale(path) -> dict:
     return d
 
 
+def job_seconds(path) -> float | None:
+    """The wall time of the job that wrote the artifact at `path` (its provenance), or None
+    where an older version wrote it without."""
+    d = read(path, "Artifact", f"run `snakemake {path}`")
+    seconds = d.get("provenance", {}).get("job_seconds")
+    return None if seconds is None else float(seconds)
+
+
 def forecast(path) -> dict | None:
     """The forecast (results/forecast/{cluster}.json) with its path and its sentence, or None
     when there is none: training goes on without."""

@@ -10,8 +10,9 @@ training process decodes between steps, so the two times add instead.
 Where the figures hold: the LR runs time the entry's own device only when they ran on it. A g5
 plan run on a laptop gets no forecast of its time or cost, only the input-bound rate. The CPU
 ranks of an entry without GPUs are timed here (one rank alone, then one node's ranks side by
-side): the LR runs use one thread, a rank its share of the cores, and the ratio is the measured
-scaling efficiency (across nodes it is set or assumed)."""
+side, each with a rank's share of the cores, as training runs them; the LR runs' threads
+differ), and the ratio is the measured scaling efficiency (across nodes it is set or
+assumed)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import socket
 import statistics
 import time
 
-from imgclf import artifacts, cuda_builds, devices, index, recipes
+from imgclf import artifacts, budget, cuda_builds, devices, index, provenance, recipes
 from imgclf.artifacts import Plan
 from imgclf.errors import UserError
 from imgclf.progress import hms
@@ -31,7 +32,9 @@ from imgclf.slurm import task as slurm_task
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 5  # steps of each LR run left out (allocator, cuDNN autotuning, first batches)
-MEASURE_STEPS = (3, 15)  # untimed, timed training steps per CPU measurement
+WARM_STEPS = 3  # untimed steps before each CPU measurement
+# timed steps of each CPU measurement: `measurement_share` of the training, within these
+TIMED_STEPS_FLOOR, TIMED_STEPS_CAP = 5, 15
 # The published ResNet-50 mixed-precision strong scaling of 8-GPU NVLink nodes (NVIDIA's
 # DeepLearningExamples: 6.72x on a DGX A100, 6.93x on a DGX-1 V100 16 GB): the assumption
 # for an entry with several devices that sets no `scaling_efficiency` of its own.
@@ -100,7 +103,7 @@ def _rank_steps(rank: int, world: int, port: int, spec: dict, results) -> None:
     images = torch.randn(spec["batch"], 3, size, size)
     labels = torch.randint(spec["classes"], (spec["batch"],))
     autocast = devices.autocast_args(spec["precision"], "cpu")
-    warm, timed = MEASURE_STEPS
+    warm, timed = WARM_STEPS, spec["timed_steps"]
     step_s = []
     for _ in range(warm + timed):
         start = time.perf_counter()
@@ -152,17 +155,19 @@ def _run_ranks(world: int, spec: dict) -> dict:
     return results.get(timeout=10)
 
 
-def measure_cpu_ranks(model: dict, plan: Plan, classes: int) -> dict:
+def measure_cpu_ranks(model: dict, plan: Plan, classes: int, size: dict) -> dict:
     """Seconds per step of one CPU rank alone and of one node's ranks side by side, and their
-    ratio, the scaling efficiency of this machine's CPU ranks."""
+    ratio, the scaling efficiency of this machine's CPU ranks; `size`: the timed steps
+    (budget.sized)."""
     world = plan.devices_per_node
     spec = {**{k: model[k] for k in ("arch", "recipe", "resolution", "precision",
                                      "channels_last")},
-            "classes": classes, "batch": plan.per_device_batch,
+            "classes": classes, "batch": plan.per_device_batch, "timed_steps": size["units"],
             "threads": slurm_task.cpu_threads_per_rank(plan.devices_per_node)}
     alone = _run_ranks(1, spec)
     together = alone if world == 1 else _run_ranks(world, spec)
-    return {"ranks": world, "threads_per_rank": spec["threads"], "steps": MEASURE_STEPS[1],
+    return {"ranks": world, "threads_per_rank": spec["threads"], "steps": size["units"],
+            "budget": size,
             "step_s_alone": alone["step_s"], "step_s_together": together["step_s"],
             "eval_s_together": together["eval_s"],
             "efficiency": min(1.0, alone["step_s"] / together["step_s"]),
@@ -170,16 +175,6 @@ def measure_cpu_ranks(model: dict, plan: Plan, classes: int) -> dict:
 
 
 # --- the forecast -----------------------------------------------------------------------------
-
-def batches_per_rank(images: int, world: int, batch: int, train: bool, limit) -> int:
-    """Batches one rank runs per epoch, as training's loaders make them: a distributed sampler
-    pads the images to a multiple of the world; training drops a ragged last batch."""
-    per_rank = math.ceil(images / world)
-    n = per_rank // batch if train and per_rank >= batch else math.ceil(per_rank / batch)
-    if limit is None:
-        return n
-    return min(n, int(limit)) if isinstance(limit, int) or limit > 1 else int(n * limit)
-
 
 def step_model(compute_s: float, load_s: float, workers: int) -> tuple[float, str]:
     """Seconds per batch and the bound: loader workers overlap decoding with compute, 0 workers
@@ -208,8 +203,8 @@ def plan_forecast(*, timing: dict, loader_rate: float, plan: Plan, hw: dict, eff
     load_s = batch / loader_rate
     step_s, bound = step_model(compute_s, load_s, plan.num_workers)
     eval_s, _ = step_model(timing["eval_s"], load_s, plan.num_workers)
-    train_batches = batches_per_rank(train_images, world, batch, True, limits["train"])
-    val_batches = batches_per_rank(val_images, world, batch, False, limits["val"])
+    train_batches = budget.batches_per_rank(train_images, world, batch, True, limits["train"])
+    val_batches = budget.batches_per_rank(val_images, world, batch, False, limits["val"])
     epoch_train_s, epoch_val_s = train_batches * step_s, val_batches * eval_s
     total_s = epochs * (epoch_train_s + epoch_val_s)
     hours = total_s / 3600
@@ -283,7 +278,7 @@ def with_forecast(adv: dict, forecast: dict) -> dict:
 
 
 def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, train: dict,
-         train_index: str, val_index: str) -> dict:
+         train_index: str, val_index: str, share: float) -> dict:
     """The forecast for entry `hw`, or, where the LR runs did not time its device, what holds:
     the input-bound rate."""
     recipe = recipes.get(model["recipe"])
@@ -301,7 +296,12 @@ def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, trai
     timing = lr_run_timing(runs)
     measured = None
     if hw["accelerator"] == "cpu":
-        measured = measure_cpu_ranks(model, plan, len(train_idx.classes))
+        planned = budget.planned_images_per_device(sum(train_idx.counts), epochs, plan.world_size,
+                                                   plan.per_device_batch,
+                                                   train["limit_train_batches"])
+        size = budget.sized("the forecast's timed steps of CPU ranks", share, planned,
+                            plan.per_device_batch, TIMED_STEPS_FLOOR, TIMED_STEPS_CAP)
+        measured = measure_cpu_ranks(model, plan, len(train_idx.classes), size)
         timing = {**timing, "compute_s": measured["step_s_alone"],
                   "eval_s": measured["eval_s_together"], "source": "measured here (CPU ranks)"}
     else:
@@ -317,12 +317,37 @@ def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, trai
                         "checkpoint writes"}
 
 
-def run(runs, loader_path, memory_path, noise_path, train_index, val_index, hw, model, train,
-        out) -> dict:
-    """results/forecast/{cluster}.json, with its sentence (what training and the report say)."""
+def stages_before_training(artifacts_by_stage: dict, own_seconds: float,
+                           training_s: float | None) -> dict:
+    """What the stages before training took, each as the wall time of its jobs (side-by-side
+    jobs, such as the LR runs, added up), from the `job_seconds` of their artifacts'
+    provenance, this forecast's own included, and in all as a share of the forecast training
+    time. A stage whose artifact an older version wrote is named, not counted."""
+    seconds, unrecorded = {}, []
+    for stage, paths in artifacts_by_stage.items():
+        each = [artifacts.job_seconds(p) for p in paths]
+        if None in each:
+            unrecorded.append(stage)
+        else:
+            seconds[stage] = round(sum(each), 1)
+    seconds["forecast"] = round(own_seconds, 1)
+    total = sum(seconds.values())
+    share = total / training_s if training_s else None
+    said = (f"The stages before training took {hms(total)} of job time"
+            + ("" if share is None else f", {share:.1%} of the forecast training time")
+            + ("" if not unrecorded else
+               f" (without {', '.join(unrecorded)}: written by an older version, untimed)"))
+    return {"job_seconds": seconds, "total_s": round(total, 1), "share_of_training": share,
+            "unrecorded": unrecorded, "sentence": said}
+
+
+def run(runs, lr_path, hydration_path, loader_path, memory_path, noise_path, train_index,
+        val_index, hw, model, train, measurement_share, out) -> dict:
+    """results/forecast/{cluster}.json, with its sentence (what training and the report say)
+    and what the stages before training cost against it."""
     plan = Plan.read(memory_path, hw["name"])
     forecast = make(artifacts.lr_runs(runs), artifacts.loader_report(loader_path, hw["name"]),
-                    plan, hw, model, train, train_index, val_index)
+                    plan, hw, model, train, train_index, val_index, measurement_share)
     noise = artifacts.noise_scale(noise_path)
     forecast["batch_vs_noise"] = {"b_simple": noise["b_simple"], "stderr": noise["stderr"],
                                   **with_forecast(noise["advice"], forecast)}
@@ -331,6 +356,12 @@ def run(runs, loader_path, memory_path, noise_path, train_index, val_index, hw, 
     if forecast.get("step_timing", {}).get("unlike_training"):
         log.warning("The forecast's step times: %s", forecast["step_timing"]["unlike_training"])
     log.info("%s", forecast["batch_vs_noise"]["sentence"])
-    return write_artifact(out, forecast, config_slice={"hw": hw, "model": model, "train": train},
-                          inputs=[*runs, loader_path, memory_path, noise_path, train_index,
-                                  val_index])
+    forecast["before_training"] = stages_before_training(
+        {"hydration check": [hydration_path], "loader benchmark": [loader_path],
+         "memory solve": [memory_path], "LR runs": list(runs), "LR summary": [lr_path],
+         "noise scale": [noise_path]}, provenance.job_seconds(), forecast.get("total_s"))
+    log.info("%s", forecast["before_training"]["sentence"])
+    return write_artifact(out, forecast, config_slice={"hw": hw, "model": model, "train": train,
+                                                        "measurement_share": measurement_share},
+                          inputs=[*runs, lr_path, loader_path, memory_path, noise_path,
+                                  train_index, val_index])

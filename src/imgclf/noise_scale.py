@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from imgclf import lr_scaling, one_device, plots, recipes
+from imgclf import budget, lr_scaling, one_device, plots, recipes
 from imgclf.artifacts import LRSummary, Plan
 from imgclf.gradient_noise import estimate, unbiased
 from imgclf.progress import progress
@@ -144,22 +144,45 @@ def endless(loader):
         yield from loader
 
 
+# Fewer steps give no reliable estimate (docs/benchmarks.md, "Gradient noise scale")
+MIN_STEPS = 10
+
+
+def steps_for(cfg: dict, run: one_device.OneDeviceRun, plan: Plan, planned: dict,
+              share: float) -> dict:
+    """The steps to measure: `noise_scale.steps` as set, or with `auto` `share` of the planned
+    training's images per device, at least MIN_STEPS (budget.sized)."""
+    images_per_step = int(cfg["accumulate"]) * run.batch
+    epochs = int(planned["epochs"] or run.recipe.epochs)
+    total = budget.planned_images_per_device(len(run.loader.dataset), epochs, plan.world_size,
+                                             plan.per_device_batch, planned["limit_train_batches"])
+    if cfg["steps"] != "auto":
+        steps = int(cfg["steps"])
+        return {"units": steps, "images": steps * images_per_step, "set_by": "noise_scale.steps",
+                "share_of_training": steps * images_per_step / total if total else None}
+    return {**budget.sized("the noise scale's steps", share, total, images_per_step, MIN_STEPS),
+            "set_by": "measurement_share"}
+
+
 def measure(source: str, model: dict, hw: dict, plan: Plan, lr: LRSummary, cfg: dict,
-            threads: int | None = None) -> dict:
-    """`noise_scale.steps` steps of real training from the recipe's initialisation on one
-    device, each of `noise_scale.accumulate` micro-batches at the per-device batch, at the
-    chosen LR scaled (by the summary's rule) to the step's batch; B_simple from the micro-batch
-    and step gradients."""
+            planned: dict, share: float, threads: int | None = None) -> dict:
+    """Steps of real training from the recipe's initialisation on one device (steps_for), each
+    of `noise_scale.accumulate` micro-batches at the per-device batch, at the chosen LR scaled
+    (by the summary's rule) to the step's batch; B_simple from the micro-batch and step
+    gradients. `planned`: the training's `epochs` and `limit_train_batches`."""
     run = one_device.one_device_run(source, model, hw, plan, None, cfg["seed"],
                                     f"The noise-scale measurement of cluster {hw['name']!r}",
                                     threads)
+    size = steps_for(cfg, run, plan, planned, share)
+    if size.get("note"):
+        log.warning("%s", size["note"])
     k, b = int(cfg["accumulate"]), run.batch
     step_lr = lr_scaling.scale_lr(lr.chosen_lr, lr.finder_batch, b * k, lr.scaling)
     optimizer = recipes.build_optimizer(run.net, run.recipe, lr=step_lr)
     batches, small, big, losses = endless(run.loader), [], [], []
     run.net.train()
     start = time.perf_counter()
-    for _ in progress(range(int(cfg["steps"])), desc="noise scale", unit="steps"):
+    for _ in progress(range(size["units"]), desc="noise scale", unit="steps"):
         s, g, loss = accumulated_step(run, optimizer, batches, k)
         if math.isfinite(s) and math.isfinite(g):  # an AMP step skipped for overflow: none
             small.append(s), big.append(g), losses.append(loss)
@@ -167,7 +190,7 @@ def measure(source: str, model: dict, hw: dict, plan: Plan, lr: LRSummary, cfg: 
     result.update({
         "lr": step_lr, "lr_detail": f"the chosen LR {lr.chosen_lr:.4g} (at batch "
         f"{lr.finder_batch}) with {lr.scaling} scaling to the step's batch {b * k}",
-        "device": str(run.device), "precision": run.precision,
+        "device": str(run.device), "precision": run.precision, "budget": size,
         "seconds": round(time.perf_counter() - start, 2),
         "history": {"small_sq": small, "big_sq": big, "loss": losses},
     })
@@ -192,10 +215,12 @@ def plot_series(result: dict) -> dict:
     return series
 
 
-def run(source, model, hw, cfg, memory_path, lr_path, out, plot, threads=None) -> dict:
+def run(source, model, hw, cfg, train, measurement_share, memory_path, lr_path, out, plot,
+        threads=None) -> dict:
     """results/noise/{cluster}.json and its plot."""
     plan = Plan.read(memory_path, hw["name"])
-    result = measure(source, model, hw, plan, LRSummary.read(lr_path), cfg, threads)
+    result = measure(source, model, hw, plan, LRSummary.read(lr_path), cfg, train,
+                     measurement_share, threads)
     result.update({"cluster": hw["name"], "global_batch": plan.global_batch,
                    "devices": plan.world_size, "model": MODEL, "limits": LIMITS,
                    "advice": advice(plan.global_batch, plan.world_size, result["b_simple"],
@@ -204,7 +229,8 @@ def run(source, model, hw, cfg, memory_path, lr_path, out, plot, threads=None) -
              result["advice"]["sentence"])
     plots.noise_scale(result, plot_series(result), plot)
     return write_artifact(out, result, config_slice={"source": source, "model": model, "hw": hw,
-                                                      "noise_scale": cfg},
+                                                      "noise_scale": cfg, "train": train,
+                                                      "measurement_share": measurement_share},
                           inputs=[memory_path, lr_path])
 
 

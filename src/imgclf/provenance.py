@@ -15,9 +15,12 @@ import runpy
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+
+import psutil
 
 from imgclf import hardware
 
@@ -89,6 +92,12 @@ def git_revision(path: str | os.PathLike = ".") -> dict:
         return {"revision": None, "dirty": None}
 
 
+def job_seconds() -> float:
+    """Seconds since this process started: a stage's job is one process (a `script:` rule's
+    interpreter, a CLI command), so at its artifact's write this is the job's wall time."""
+    return time.time() - psutil.Process().create_time()
+
+
 def provenance(config_slice=None, inputs=()) -> dict:
     """What produced an artifact. The workflow revision is the checkout of this package: with
     the editable install of run.sh that is the workflow's own repository."""
@@ -102,6 +111,7 @@ def provenance(config_slice=None, inputs=()) -> dict:
         "versions": package_versions(),
         "hardware": here,
         "pid": os.getpid(),  # with the host name: which process (which DDP rank) wrote it
+        "job_seconds": round(job_seconds(), 1),
         "workflow": git_revision(Path(__file__).resolve().parent),
     }
 
@@ -196,7 +206,8 @@ def describe(path, data: dict) -> str:
     wf = p["workflow"]
     lines = [
         f"{path}",
-        f"  created        {p['created']} (schema v{p['schema_version']})",
+        f"  created        {p['created']} (schema v{p['schema_version']})"
+        + ("" if p.get("job_seconds") is None else f" by a job of {p['job_seconds']:.1f} s"),
         f"  config digest  {p['config_digest']}",
         f"  workflow       {wf['revision'] or 'not a git checkout'}"
         + {True: " (dirty tree)", False: " (clean tree)"}.get(wf.get("dirty"), ""),

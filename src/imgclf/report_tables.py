@@ -168,6 +168,7 @@ def noise_tables(d: dict) -> list[tuple]:
         ("measured from", f"{d['steps']} steps of {d['big_batch']} images, each "
                           f"{d['big_batch'] // d['small_batch']} accumulated micro-batches of "
                           f"{d['small_batch']}, on {d['device']} in {d['seconds']:.0f} s"),
+        ("steps measured", _steps_budget(d.get("budget"))),
         ("first / second half", " / ".join("none" if h is None else f"{h:,.0f}" for h in halves)),
         ("LR", f"{d['lr']:.4g}: {d['lr_detail']}"),
         ("model", d["model"]),
@@ -178,6 +179,16 @@ def noise_tables(d: dict) -> list[tuple]:
     return [("Noise scale", ("quantity", "value"), rows),
             ("Other device counts, same per-device batch (the model's figures)",
              ("devices", "global batch", "time", "cost"), options)]
+
+
+def _steps_budget(b: dict | None) -> str:
+    """How the noise scale's steps were sized, and what of the training they spent."""
+    if b is None:
+        return "not recorded (written by an older version)"
+    spent = ("" if b.get("share_of_training") is None
+             else f", {b['share_of_training']:.1%} of the planned training's images per device")
+    return f"{b['units']} (set by `{b['set_by']}`{spent})" + (f": {b['note']}" if b.get("note")
+                                                           else "")
 
 
 def forecast_tables(d: dict) -> list[tuple]:
@@ -217,7 +228,18 @@ def forecast_tables(d: dict) -> list[tuple]:
               f"{o['cost']:.2f}x" + ("" if o.get("cost_money") is None
                                      else f" ({o['cost_money']:.2f})"))
              for o in noise["options"]]))
+    before = d.get("before_training")
+    if before:
+        rows.append(("stages before training", before["sentence"]))
+        tables.append(("Stages before training (their jobs' wall time)",
+                       ("stage", "seconds", "share of the forecast training time"),
+                       [(stage, f"{s:.1f}", _share(s, d.get("total_s")))
+                        for stage, s in before["job_seconds"].items()]))
     return tables
+
+
+def _share(seconds: float, training_s: float | None) -> str:
+    return "no forecast" if not training_s else f"{seconds / training_s:.1%}"
 
 
 BUILDERS = {"loader": loader_tables, "memory": memory_tables, "lr": lr_tables,

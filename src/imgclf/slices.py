@@ -168,22 +168,31 @@ def lr_summary_params(config: dict, cluster_name: str) -> dict:
 
 
 def noise_scale_params(config: dict, cluster_name: str) -> dict:
-    """noise_scale: the training file index, `model.*`, `noise_scale.*` and the device keys of
-    the hardware entry (the per-device batch, the plan's devices and the chosen LR come from the
-    memory solve and the LR summary, input files)."""
+    """noise_scale: the training file index, `model.*`, `noise_scale.*`, the device keys of
+    the hardware entry, and what sizes its steps: `measurement_share` and the training's length
+    (the per-device batch, the plan's devices and the chosen LR come from the memory solve and
+    the LR summary, input files)."""
     return canonical({
         "source": index_files(cluster_name)["train"],
         "model": config["model"],
         "hw": device_entry(config, cluster_name),
         "cfg": config["noise_scale"],
+        "train": training_length(config),
+        "measurement_share": config["measurement_share"],
     })
+
+
+def training_length(config: dict) -> dict:
+    """The `train.*` keys that say how long the planned training is: what the measurements
+    before it are sized by."""
+    return {k: config["train"][k] for k in ("epochs", "limit_train_batches")}
 
 
 def forecast_params(config: dict, cluster_name: str) -> dict:
     """forecast: the hardware entry with its price and scaling efficiency, `model.*` (the CPU
     ranks' measurement builds the model), the `train.*` keys that set how many batches run and
-    whether training compiles (which the LR runs' timing does not); the other stages' figures
-    are input files."""
+    whether training compiles (which the LR runs' timing does not), and `measurement_share`
+    (what the CPU ranks' timing may spend); the other stages' figures are input files."""
     train = config["train"]
     return canonical({
         "hw": {k: v for k, v in cluster(config, cluster_name).items()
@@ -191,6 +200,7 @@ def forecast_params(config: dict, cluster_name: str) -> dict:
         "model": config["model"],
         "train": {k: train[k] for k in ("epochs", "limit_train_batches", "limit_val_batches",
                                         "compile")},
+        "measurement_share": config["measurement_share"],
     })
 
 

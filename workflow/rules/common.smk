@@ -3,7 +3,7 @@ import json
 import sys
 from pathlib import Path
 
-from imgclf import artifacts, lr_grid, lr_validation, provenance, report_tables
+from imgclf import artifacts, budget, lr_grid, lr_validation, provenance, report_tables
 
 # the CLI of the environment Snakemake runs in (it need not be on PATH)
 IMGCLF = str(Path(sys.executable).parent / "imgclf")
@@ -141,6 +141,16 @@ def lr_validation_runs(cluster, steps=None):
         f"results/lr/{cluster}/validate/x{lr_grid.multiple_name(m)}/train_summary.json"
         for m in multiples
     ]
+
+
+def lr_run_threads(wildcards):
+    """CPU: the LR runs share the machine's cores in rounds, none left idle (budget); a GPU:
+    one thread, the device computes."""
+    entry = hw(wildcards)
+    if entry["accelerator"] != "cpu":
+        return 1
+    runs = config["lr_finder"]["runs"]
+    return budget.threads_for_run(int(wildcards.run), runs, entry["cpus_per_node"])
 
 
 def lr_runs(cluster):

@@ -4,15 +4,18 @@ rule forecast:
     """Training's time, images/s, bound, device-hours and cost, from the LR runs' step times,
     the loader benchmark and the memory solve, and the same at device counts whose batch is
     nearer the noise scale (CPU ranks: timed here, so the job takes the
-    machine's CPUs)."""
+    machine's CPUs); and what the stages before training took against it."""
     input:
         runs=lambda wc: lr_runs(wc.cluster),
+        lr="results/lr/{cluster}_summary.json",
+        # read for its job's time only: a rerun check does not by itself rerun the forecast
+        hydration=lambda wc: ancient(f"results/hydration/{wc.cluster}.json"),
         loader="results/loader/{cluster}.json",
         memory="results/memory/{cluster}.json",
         noise="results/noise/{cluster}.json",
         train_index=train_index,
         val_index=val_index,
-        code=code("forecast", "artifacts", "devices", "hardware", "index", "recipes"),
+        code=code("forecast", "artifacts", "budget", "devices", "hardware", "index", "recipes"),
     output:
         "results/forecast/{cluster}.json",
     log:

@@ -12,7 +12,7 @@ rule lr_find:
         "logs/lr/{cluster}/run{run}.log",
     benchmark:
         "benchmarks/lr_find/{cluster}_run{run}.tsv"
-    threads: 1
+    threads: lr_run_threads
     resources:
         **gpu_job_resources(one_device),
     params:

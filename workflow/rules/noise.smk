@@ -10,6 +10,7 @@ rule noise_scale:
         index=train_index,
         code=code(
             "noise_scale",
+            "budget",
             *READS_IMAGES,
             "gradient_noise",
             "lr_scaling",
