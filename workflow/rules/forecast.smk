@@ -15,7 +15,15 @@ rule forecast:
         noise="results/noise/{cluster}.json",
         train_index=train_index,
         val_index=val_index,
-        code=code("forecast", "artifacts", "budget", "devices", "hardware", "index", "recipes"),
+        code=code(
+            "forecast",
+            "artifacts",
+            "budget",
+            "devices",
+            "hardware",
+            "index",
+            "recipes",
+        ),
     output:
         "results/forecast/{cluster}.json",
     log:
