@@ -97,8 +97,10 @@ def test_auto_steps_are_a_share_of_the_training_with_a_floor():
     plan = Plan(path="m.json", cluster="local", per_device_batch=64, accumulate_grad_batches=1,
                 devices_per_node=2, nodes=1, num_workers=0, prefetch_factor=None,
                 decoder="pil")
+    from imgclf import recipes
+
     run = SimpleNamespace(batch=64, loader=SimpleNamespace(dataset=range(1438)),
-                          recipe=SimpleNamespace(epochs=12))
+                          recipe=recipes.get("demo"))  # 12 epochs
     cfg = {"steps": "auto", "accumulate": 4}
     per_epoch = 11 * 64
     long = noise_scale.steps_for(cfg, run, plan, {"epochs": 2000, "limit_train_batches": None},

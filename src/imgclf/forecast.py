@@ -283,7 +283,7 @@ def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, trai
     the input-bound rate."""
     recipe = recipes.get(model["recipe"])
     train_idx, val_idx = index.read(train_index), index.read(val_index)
-    epochs = int(train["epochs"] or recipe.epochs)
+    epochs = recipe.planned_epochs(train["epochs"])
     loader_rate = loader["choice"]["images_per_s"]
     base = {"cluster": hw["name"], "world_size": plan.world_size, "nodes": plan.nodes,
             "per_device_batch": plan.per_device_batch, "global_batch": plan.global_batch,

@@ -153,7 +153,7 @@ def steps_for(cfg: dict, run: one_device.OneDeviceRun, plan: Plan, planned: dict
     """The steps to measure: `noise_scale.steps` as set, or with `auto` `share` of the planned
     training's images per device, at least MIN_STEPS (budget.sized)."""
     images_per_step = int(cfg["accumulate"]) * run.batch
-    epochs = int(planned["epochs"] or run.recipe.epochs)
+    epochs = run.recipe.planned_epochs(planned["epochs"])
     total = budget.planned_images_per_device(len(run.loader.dataset), epochs, plan.world_size,
                                              plan.per_device_batch, planned["limit_train_batches"])
     if cfg["steps"] != "auto":

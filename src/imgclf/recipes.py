@@ -75,6 +75,10 @@ class Recipe:
         if problems:
             raise ValueError(f"Recipe {self.name!r}: " + "; ".join(problems))
 
+    def planned_epochs(self, set_epochs) -> int:
+        """The training's epochs: `train.epochs` where set, else the recipe's."""
+        return int(set_epochs or self.epochs)
+
     def train_size(self, resolution: int) -> int:
         """Side of the RandomResizedCrop at the configured `model.resolution`."""
         return int(round(resolution * self.train_crop_scale))

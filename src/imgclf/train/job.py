@@ -94,7 +94,7 @@ def prepare(params: dict, memory_path, lr_file, out_dir) -> Job:
                         f"{cluster['name']!r} has {world}: rerun `snakemake {memory_path}`.")
     recipe = recipes.get(model_cfg["recipe"])
     lr = resolve_lr(t["lr_source"], lr_file, recipe, plan)
-    epochs, max_steps, warmup = int(t["epochs"] or recipe.epochs), None, None
+    epochs, max_steps, warmup = recipe.planned_epochs(t["epochs"]), None, None
     if params.get("validation"):  # a short run at a multiple of the LR, schedule compressed
         lr = lr_grid.run_lr(lr, params["validation"])
         warmup = lr_grid.warmup_fraction(recipe, epochs)
