@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,12 +46,44 @@ def copy_workflow(dest: Path) -> Path:
     return dest
 
 
+def run_bounded(cmd: list[str], timeout: float, **popen) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, text=True, ...) in a session of its own, ended whole when it runs
+    past `timeout`: SIGINT first, on which Snakemake cancels its Slurm jobs and stops its local
+    ones, then SIGKILL for what is left a minute later. subprocess.run's own timeout kills only
+    the command, leaving its jobs to load the cores (or the test cluster) the tests after it
+    need; a test over its time then fails alone instead of slowing every test after it."""
+    def signal_all(sig):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the whole session has ended already
+            pass
+
+    def stop() -> tuple[str, str]:
+        signal_all(signal.SIGINT)
+        try:
+            return proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            signal_all(signal.SIGKILL)
+            return proc.communicate()
+
+    proc = subprocess.Popen(cmd, text=True, start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = stop()
+        pytest.fail(f"{shlex.join(cmd)} ran past {timeout:.0f} s and was stopped; its output "
+                    f"ended with:\n{(out or '')[-3000:]}\n{(err or '')[-3000:]}")
+    except BaseException:  # the test run interrupted: its command's jobs end with it
+        stop()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | None = None):
-    """Run Snakemake in `workdir`; return the CompletedProcess (text, stdout+stderr merged)."""
-    return subprocess.run(
-        [SNAKEMAKE, "--cores", "2", *args], cwd=workdir, capture_output=True, text=True,
-        timeout=timeout, env={**os.environ, **(env or {})},
-    )
+    """Run Snakemake in `workdir`; return the CompletedProcess (text; stdout and stderr)."""
+    return run_bounded([SNAKEMAKE, "--cores", "2", *args], timeout, cwd=workdir,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       env={**os.environ, **(env or {})})
 
 
 def built_once(tmp_path_factory, name: str, build) -> Path:
@@ -62,12 +96,18 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     folder = shared / "built"
     folder.mkdir(exist_ok=True)
-    built, done = folder / name, folder / f"{name}.done"
+    built, done, failed = (folder / f"{name}{end}" for end in ("", ".done", ".failed"))
     with open(folder / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if failed.exists():  # one failed build fails its other users at once, not a build each
+            pytest.fail(f"the shared build {name!r} failed in another pytest-xdist worker: "
+                        f"{failed.read_text()}")
         if not done.exists():
-            shutil.rmtree(built, ignore_errors=True)  # a build that failed in another worker
-            build(built)
+            try:
+                build(built)
+            except BaseException as exc:
+                failed.write_text(str(exc)[-3000:])
+                raise
             done.touch()
     return Path(shutil.copytree(built, tmp_path_factory.mktemp(name) / "wf", symlinks=True))
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import REPO, SNAKEMAKE, built_once, copy_workflow
+from conftest import REPO, SNAKEMAKE, built_once, copy_workflow, run_bounded
 
 MARK = "# throw-away cluster of tests/slurm/up.sh"
 NODES = ("imgclf-n1", "imgclf-n2")  # partition debug, the default: CPU nodes, no GPU
@@ -86,10 +86,9 @@ def run_slurm(work: Path, *args: str, configfiles=(), timeout: float = 900,
               cluster: str = "ci2x1") -> tuple[int, str]:
     """Snakemake through profiles/slurm for the 2-node entry (or `cluster`), Slurm logs of
     successful jobs kept; returns the exit code and stdout+stderr (also kept in run<N>.txt)."""
-    res = subprocess.run([SNAKEMAKE, "--profile", "profiles/slurm", "--slurm-keep-successful-logs",
-                          *args, *entry(*configfiles, cluster=cluster)], cwd=work,
-                         stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    res = run_bounded([SNAKEMAKE, "--profile", "profiles/slurm", "--slurm-keep-successful-logs",
+                       *args, *entry(*configfiles, cluster=cluster)], timeout, cwd=work,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     (work / f"run{len(list(work.glob('run*.txt')))}.txt").write_text(res.stdout)
     return res.returncode, res.stdout
 

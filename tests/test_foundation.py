@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,21 @@ def test_documented_defaults_are_the_schemas():
         if isinstance(value, dict):  # a nested object: its own properties carry the defaults
             value = settings.validate({}, where[0])[where[1]]
         assert shown == value or str(shown) == str(value), (where, documented[where], value)
+
+
+def test_a_test_command_past_its_time_ends_with_every_process_it_started(tmp_path):
+    """The tests' commands run bounded (conftest.run_bounded): one past its time fails its test
+    by name, and the processes it started (Snakemake's jobs) end with it instead of loading the
+    cores the tests after it need."""
+    import psutil
+    from conftest import run_bounded
+
+    child = tmp_path / "child.pid"
+    starts_a_child = ("import subprocess, sys; job = subprocess.Popen(['sleep', '300'], "
+                      "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+                      "open(sys.argv[1], 'w').write(str(job.pid)); job.wait()")
+    with pytest.raises(pytest.fail.Exception, match=r"ran past 5 s and was stopped"):
+        run_bounded([sys.executable, "-c", starts_a_child, str(child)], 5,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pid = int(child.read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
