@@ -200,6 +200,15 @@ def test_planning_imports_neither_torch_nor_matplotlib(tmp_path):
     assert not imported & {"torch", "torchvision", "lightning", "matplotlib"}, sorted(imported)
 
 
+def test_the_lr_summary_starts_without_torch():
+    """The LR summary, on the critical path between the LR runs and the noise scale, reads
+    JSON and draws a plot: it starts without importing torch (seconds of a job's start)."""
+    res = subprocess.run([sys.executable, "-c", "import sys, imgclf.lr_summary; "
+                          "print(sorted({'torch', 'lightning'} & set(sys.modules)))"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
 @pytest.mark.slow
 def test_gpu_jobs_ask_for_the_gpus_they_use(tmp_path):
     """On a g5 node every GPU job asks Snakemake's `gpu` pool for what it uses: one GPU per

@@ -319,7 +319,7 @@ def test_cli_failure_when_nothing_fits_is_one_sentence_without_traceback(through
     res = subprocess.run(
         [str(BIN / "imgclf"), "solve-memory", "--cluster", "tiny", "--configfile",
          str(tmp_path / "tiny.yaml"), "--loader", str(tmp_path / "loader.json"),
-         "--out", str(tmp_path / "mem")], capture_output=True, text=True, timeout=120)
+         "--out", str(tmp_path / "mem")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 1
     assert "Traceback" not in res.stderr
     said = [line for line in res.stderr.splitlines() if "Not even a batch of 1 fits" in line]

@@ -244,7 +244,8 @@ def run_ranks(target, tmp_path) -> dict:
              for r in range(2)]
     for p in procs:
         p.start()
-    got, deadline = {}, time.monotonic() + 120
+    # a bound on a hang, not on speed: under CI's load a rank took minutes to import and start
+    got, deadline = {}, time.monotonic() + 600
     try:
         while len(got) < len(procs):
             try:
@@ -252,7 +253,7 @@ def run_ranks(target, tmp_path) -> dict:
                 got[r] = rest
             except queue.Empty:
                 assert all(p.exitcode in (None, 0) for p in procs), [p.exitcode for p in procs]
-                assert time.monotonic() < deadline, "no result within 120 s"
+                assert time.monotonic() < deadline, "no result within 600 s"
         for p in procs:
             p.join(timeout=60)
     finally:

@@ -7,11 +7,13 @@ found is found for exactly the model, loss and optimizer that train."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from imgclf.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where a model is built: the LR summary reads recipes only
+    import torch
+    from torch import nn
 
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101")
 AUTO_AUGMENTS = (None, "trivialaugment", "randaugment-m7")
@@ -178,6 +180,8 @@ def build_model(arch: str, num_classes: int, drop_path: float = 0.0) -> nn.Modul
 
 def build_loss(recipe: Recipe) -> nn.Module:
     """Loss that accepts class indices and, for mixed batches, class probabilities."""
+    from torch import nn
+
     if recipe.loss == "bce":
         from timm.loss import BinaryCrossEntropy
 
@@ -187,6 +191,8 @@ def build_loss(recipe: Recipe) -> nn.Module:
 
 def param_groups(model: nn.Module, recipe: Recipe) -> list[dict]:
     """Weight decay on weights; the recipe's `norm_weight_decay` on norm layers and biases."""
+    from torch import nn
+
     if recipe.norm_weight_decay is None:
         return [{"params": [p for p in model.parameters() if p.requires_grad],
                  "weight_decay": recipe.weight_decay}]
@@ -202,6 +208,8 @@ def param_groups(model: nn.Module, recipe: Recipe) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe, lr: float) -> torch.optim.Optimizer:
+    import torch
+
     groups = param_groups(model, recipe)
     if recipe.optimizer == "lamb":
         from timm.optim import Lamb
