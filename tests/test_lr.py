@@ -360,8 +360,9 @@ def test_lr_runs_take_one_gpu_each_and_never_more_than_there_are(workflow_copy, 
     gpus.write_text(json.dumps([{"name": "NVIDIA L4", "mib": 23034, "compute_cap": "8.9",
                                  "uuid": f"GPU-0000000{i}-1111-2222-3333-444444444444"}
                                 for i in (1, 2)]))
+    # runs of at most 32 images per step: the GPUs they claim are the point, not the A10G's batch
     (workflow_copy / "fast.yaml").write_text(FAST.replace("num_iter: 30", "runs: 4, num_iter: 20")
-                                             + "memory: {mode: estimate}\n")
+                                             + "memory: {mode: estimate, max_batch: 32}\n")
     (tmp_path / "locks").mkdir()
     env = {"PATH": f"{REPO / 'tests' / 'stubs'}:{os.environ['PATH']}",
            "NVIDIA_SMI_STUB": str(gpus), "TMPDIR": str(tmp_path / "locks")}
