@@ -144,7 +144,8 @@ def sacct(*jobs: str, steps: bool = False, every_run: bool = False,
     requeued job, not only its latest). A job may be a step ("12.0")."""
     res = subprocess.run(["sacct", "-P", "-n", *([] if steps else ["-X"]),
                           *(["-D"] if every_run else []), "-j", ",".join(jobs),
-                          "-o", ",".join(fields)], capture_output=True, text=True, check=True)
+                          "-o", ",".join(fields)], capture_output=True, text=True, check=True,
+                         timeout=120)
     return [dict(zip(fields, line.split("|"))) for line in res.stdout.splitlines()]
 
 

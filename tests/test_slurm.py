@@ -502,7 +502,7 @@ def test_a_node_down_while_training_is_queued_fails_at_the_deadline(slurm_demo):
                             "train_model:slurm_extra='--deadline=now+75seconds'", timeout=300)
     finally:
         subprocess.run(["scontrol", "update", f"nodename={SPARE_NODES[1]}", "state=resume"],
-                       check=True)
+                       check=True, timeout=120)
     assert rc != 0
     job = slurm_job_of(out, "train_model")
     assert f"SLURM-job '{job}' failed, SLURM status is: 'DEADLINE'" in out, out[-4000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -54,8 +55,12 @@ def interrupted_training(work: Path, name: str, interrupt) -> str:
         interrupt(slurm_job_of(out_file.read_text(), "train_model"))
         assert proc.wait(timeout=300) != 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # the test failed: Snakemake cancels its Slurm jobs on SIGINT
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     return out_file.read_text()
 
 
