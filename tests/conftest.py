@@ -105,7 +105,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
         if not done.exists():
             try:
                 build(built)
-            except BaseException as exc:
+            except (Exception, pytest.fail.Exception) as exc:  # not a skip, not an interrupt
                 failed.write_text(str(exc)[-3000:])
                 raise
             done.touch()

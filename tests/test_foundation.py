@@ -333,3 +333,27 @@ def test_a_test_command_past_its_time_ends_with_every_process_it_started(tmp_pat
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     pid = int(child.read_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_shared_build_that_failed_fails_its_other_users_at_once(tmp_path):
+    """A run that several tests share (conftest.built_once) and that failed is not built again
+    by each pytest-xdist worker waiting for it: they fail at once, with its reason."""
+    from types import SimpleNamespace
+
+    from conftest import built_once
+
+    factory = SimpleNamespace(getbasetemp=lambda: tmp_path / "base",
+                              mktemp=lambda name: tmp_path / name)
+    (tmp_path / "base").mkdir()
+    calls = []
+
+    def failing(folder):
+        calls.append(folder)
+        raise RuntimeError("the demo run ran past its time")
+
+    with pytest.raises(RuntimeError):
+        built_once(factory, "shared", failing)
+    with pytest.raises(pytest.fail.Exception, match="failed in another pytest-xdist worker: "
+                                                    "the demo run ran past its time"):
+        built_once(factory, "shared", failing)
+    assert len(calls) == 1
