@@ -64,7 +64,14 @@ def run_bounded(cmd: list[str], timeout: float, **popen) -> subprocess.Completed
             return proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             signal_all(signal.SIGKILL)
-            return proc.communicate()
+        try:
+            return proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process of another session holds the pipes
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe:
+                    pipe.close()
+            proc.wait()
+            return "", ""
 
     proc = subprocess.Popen(cmd, text=True, start_new_session=True, **popen)
     try:
@@ -103,10 +110,11 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
             pytest.fail(f"the shared build {name!r} failed in another pytest-xdist worker: "
                         f"{failed.read_text()}")
         if not done.exists():
+            shutil.rmtree(built, ignore_errors=True)  # a build interrupted in another worker
             try:
                 build(built)
             except (Exception, pytest.fail.Exception) as exc:  # not a skip, not an interrupt
-                failed.write_text(str(exc)[-3000:])
+                failed.write_text(f"{type(exc).__name__}: {exc}"[-3000:])
                 raise
             done.touch()
     return Path(shutil.copytree(built, tmp_path_factory.mktemp(name) / "wf", symlinks=True))
