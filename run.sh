@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Set up .venv (first use, or after pyproject.toml changed) and run the pipeline or the tests.
+# Set up .venv from this platform's lock (first use, or after pyproject.toml or the lock
+# changed) and run the pipeline or the tests.
 #   ./run.sh demo [snakemake args...]   the whole workflow on the bundled demo data set
 #   ./run.sh test [pytest args...]      the test suite
 #   ./run.sh setup                      only set up .venv
+#   ./run.sh lock [--upgrade]           make requirements/'s locks again (after pyproject.toml)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -27,18 +29,55 @@ setup() {
         echo "run.sh: this checkout's path '$PWD' has a space or a shell character, which Snakemake cannot run scripts from (it does not quote the interpreter's path, snakemake#2645): clone or move it to a path without them." >&2
         exit 1
     fi
-    if [ ! -x .venv/bin/snakemake ] || [ pyproject.toml -nt .venv/.installed ]; then
+    # this platform's lock (requirements/, made by `./run.sh lock`; src/imgclf/lock.py)
+    lock=$(PYTHONPATH=src python3 -m imgclf.lock path)
+    if [ ! -x .venv/bin/snakemake ] || [ pyproject.toml -nt .venv/.installed ] ||
+        { [ -n "$lock" ] && [ "$lock" -nt .venv/.installed ]; }; then
+        rm -f .venv/.installed
         python3 -m venv .venv
         pip_install --upgrade pip
         # PyTorch's own wheel index when this node's GPUs or NVIDIA driver need another CUDA
         # build than the default one (src/imgclf/cuda_builds.py; IMGCLF_TORCH_INDEX overrides)
         index=$(PYTHONPATH=src python3 -m imgclf.cuda_builds)
+        installed_from=/dev/null
         if [ -n "$index" ]; then
+            # that index's builds are not in the locks: the newest releases pyproject.toml allows
+            echo "run.sh: torch from $index, and the other packages unlocked (the locks hold the default build)" >&2
             pip_install --index-url "$index" torch torchvision
+            pip_install -e '.[test]'
+        elif [ -n "$lock" ]; then
+            # every package at the lock's version, each file checked against its hashes
+            pip_install --require-hashes --no-deps -r "$lock"
+            pip_install --no-deps -e .
+            installed_from=$lock
+        else
+            echo "run.sh: no lock for $(uname -s) $(uname -m) in requirements/: installing the newest releases pyproject.toml allows" >&2
+            pip_install -e '.[test]'
         fi
-        pip_install -e '.[test]'
+        cp "$installed_from" .venv/installed-lock.txt # what provenance names the environment by
         touch .venv/.installed
     fi
+}
+
+# Make the locks again (requirements/, one per platform) after pyproject.toml's dependencies or
+# requirements/ceiling.txt changed, with uv in a throw-away environment: versions already locked
+# are kept where they still fit; `./run.sh lock --upgrade` takes the newest that fit.
+make_locks() {
+    local tool uv_platform python lock
+    tool=$(mktemp -d)
+    python3 -m venv "$tool"
+    "$tool/bin/python" -m pip install --quiet 'uv>=0.13'
+    while read -r uv_platform python lock; do
+        # macOS: uv assumes macOS 13 unless told; torch's macOS wheels need 14
+        MACOSX_DEPLOYMENT_TARGET=14.0 "$tool/bin/uv" pip compile --quiet pyproject.toml \
+            --extra test --generate-hashes --python-version "$python" --python-platform "$uv_platform" \
+            --constraint requirements/ceiling.txt --custom-compile-command "./run.sh lock" \
+            --output-file "$lock" "$@"
+        { PYTHONPATH=src python3 -m imgclf.lock header; grep -v '^# made from ' "$lock"; } > "$lock.new"
+        mv "$lock.new" "$lock"
+        echo "run.sh: $lock made"
+    done < <(PYTHONPATH=src python3 -m imgclf.lock targets)
+    rm -rf "$tool"
 }
 
 cmd="${1:-}"
@@ -50,5 +89,6 @@ case "$cmd" in
     # process)
     test) setup; exec .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@" ;;
     setup) setup ;;
-    *) echo "usage: ./run.sh demo|test [args...] or ./run.sh setup" >&2; exit 2 ;;
+    lock) make_locks "$@" ;;
+    *) echo "usage: ./run.sh demo|test [args...], ./run.sh setup or ./run.sh lock [--upgrade]" >&2; exit 2 ;;
 esac

@@ -56,6 +56,9 @@ HOW = {
     "./run.sh test tests/test_lr.py -k aggregation": "it runs part of this suite",
     './run.sh test -m "not slow"': "it runs part of this suite",
     ".ci/min-versions": "it installs the declared minimum versions into .venv-min",
+    "./run.sh lock": "it resolves the locks again on PyPI; test_hardware.py checks the locks "
+                     "it made",
+    "./run.sh lock --upgrade": "it moves the locks to newer releases, which is a decision",
     ".venv/bin/python -m pytest -m gpu": "it runs the GPU tests, skipped without a GPU",
 }
 # What a real run must leave behind, beyond exit status 0 and no traceback.

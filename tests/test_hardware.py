@@ -178,6 +178,84 @@ def test_run_sh_takes_its_choice_from_cuda_builds():
     assert text.index("imgclf.cuda_builds") < text.index("pip_install -e '.[test]'")
 
 
+# --- the locks run.sh installs from -------------------------------------------------------------
+
+def lock_pins(path: Path) -> dict:
+    """{package: (version, [sha256 hashes])} of a lock made by `./run.sh lock`."""
+    import re
+
+    pins, name = {}, None
+    for line in path.read_text().splitlines():
+        if m := re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line):
+            name = m.group(1).lower().replace("_", "-")
+            pins[name] = (m.group(2), [])
+        elif name and (m := re.search(r"--hash=sha256:([0-9a-f]{64})", line)):
+            pins[name][1].append(m.group(1))
+    return pins
+
+
+def test_every_lock_holds_what_pyproject_declares_each_with_its_hashes():
+    """CI fails where pyproject.toml's dependencies or requirements/ceiling.txt changed and the
+    locks were not made again (`./run.sh lock`): each lock names the digest of what it was made
+    from, pins a version of every direct dependency that its declaration allows, and a hash for
+    every file pip may install."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from imgclf import lock
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(r) for r in
+                project["dependencies"] + project["optional-dependencies"]["test"]]
+    for _, name in lock.PLATFORMS.values():
+        path = lock.LOCK_DIR / name
+        assert lock.recorded(path) == lock.made_from(), \
+            f"{name} was made from other dependencies than pyproject.toml's: run ./run.sh lock"
+        pins = lock_pins(path)
+        for req in declared:
+            version = pins.get(req.name.lower().replace("_", "-"), (None,))[0]
+            assert version and req.specifier.contains(version, prereleases=True), (name, req)
+        assert all(hashes for _, hashes in pins.values()), name
+
+
+def test_the_lock_digest_follows_the_declared_dependencies_not_comments(tmp_path):
+    from imgclf import lock
+
+    pyproject, ceiling = tmp_path / "pyproject.toml", tmp_path / "ceiling.txt"
+    pyproject.write_text((REPO / "pyproject.toml").read_text())
+    ceiling.write_text(lock.CEILING.read_text())
+    before = lock.made_from(pyproject, ceiling)
+    ceiling.write_text("# a comment\n" + lock.CEILING.read_text())
+    assert lock.made_from(pyproject, ceiling) == before
+    pyproject.write_text(pyproject.read_text().replace('"lightning>=2.6"', '"lightning>=2.6.1"'))
+    assert lock.made_from(pyproject, ceiling) != before
+    ceiling.write_text(lock.CEILING.read_text().replace("torch<=2.14.1", "torch<=2.15"))
+    pyproject.write_text((REPO / "pyproject.toml").read_text())
+    assert lock.made_from(pyproject, ceiling) != before
+
+
+def test_run_sh_installs_this_platforms_lock_with_its_hashes():
+    """run.sh takes the lock of the platform it runs on (none: the newest releases allowed,
+    said in a line), checks every file against the lock's hashes and installs the package
+    itself without dependencies, so nothing outside the lock is resolved."""
+    import subprocess
+    import sys
+
+    from imgclf import lock
+
+    assert lock.path_for("Linux", "x86_64") == lock.LOCK_DIR / "linux-x86_64.txt"
+    assert lock.path_for("Darwin", "arm64") == lock.LOCK_DIR / "macos-arm64.txt"
+    assert lock.path_for("Windows", "AMD64") is None
+    res = subprocess.run([sys.executable, "-m", "imgclf.lock", "path"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+                         timeout=60)
+    assert res.stdout.strip() == str(lock.path_for().relative_to(REPO))
+    text = (REPO / "run.sh").read_text()
+    assert 'pip_install --require-hashes --no-deps -r "$lock"' in text
+    assert "pip_install --no-deps -e ." in text
+
+
 @pytest.fixture
 def cuda_device(monkeypatch):
     """A CUDA device as torch would report it (the capability faked at torch's boundary).
