@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -299,6 +300,9 @@ def test_every_json_artifact_carries_complete_provenance(demo_run):
 
     from imgclf.provenance import SCHEMA_VERSION
 
+    installed = Path(sys.prefix) / "installed-lock.txt"
+    installed_lock = sha256(installed) if installed.is_file() and installed.stat().st_size \
+        else None
     files = sorted(str(p.relative_to(demo_run)) for p in (demo_run / "results").rglob("*.json"))
     assert set(DECLARED_INPUTS) | {"results/hydration/local.json",
                                    "results/hydration/local.verdict.json"} <= set(files)
@@ -320,6 +324,9 @@ def test_every_json_artifact_carries_complete_provenance(demo_run):
         wf = p["workflow"]
         assert isinstance(wf["dirty"], bool), f
         assert p["job_seconds"] > 0, f  # the writing job's wall time so far
+        # every package's version, and the lock run.sh installed from (none: no lock)
+        assert p["environment"]["packages"]["torch"] == p["versions"]["torch"], f
+        assert p["environment"]["lock"] == installed_lock, f
         known = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e",
                                 f"{wf['revision']}^{{commit}}"], capture_output=True)
         assert known.returncode == 0, (f, wf)  # a commit of this repository
@@ -343,6 +350,49 @@ def test_provenance_command_prints_it_readably(demo_run):
     digest = ev["inputs"]["results/train/local/best.ckpt"]
     assert f"input          results/train/local/best.ckpt sha256:{digest[:16]}" in text
     assert "hand-off file" in text and "results/hydration/local.json" in text
+
+
+def test_provenance_check_names_each_difference_of_environment_and_checkout():
+    """`imgclf provenance --check`: one line per package whose version differs, the lock, the
+    revision and uncommitted changes; nothing where all match; an artifact written before the
+    environment was recorded is compared on the versions it records."""
+    from imgclf.provenance import differences
+
+    env = {"lock": "a" * 64, "packages": {"torch": "2.14.1", "numpy": "2.4.6"}}
+    checkout = {"revision": "1" * 40, "dirty": False}
+    made = {"environment": env, "workflow": checkout, "versions": {}}
+    assert differences(made, env, checkout) == []
+    now = {"lock": "b" * 64, "packages": {"torch": "2.15.0", "pillow": "13.0.0"}}
+    assert differences(made, now, {"revision": "2" * 40, "dirty": True}) == [
+        f"lock: sha256:{'a' * 16} then, sha256:{'b' * 16} now",
+        "numpy: 2.4.6 then, not installed now",
+        "pillow: not installed then, 13.0.0 now",
+        "torch: 2.14.1 then, 2.15.0 now",
+        f"revision: {'1' * 40} then, {'2' * 40} now",
+        "the checkout had uncommitted changes now"]
+    old = {"versions": {"python": "3.11.7", "torch": "2.14.1"}, "workflow": checkout}
+    assert differences(old, now, checkout)[1:] == ["torch: 2.14.1 then, 2.15.0 now"]
+
+
+def test_provenance_check_exits_1_on_a_difference_and_names_the_package(tmp_path):
+    from imgclf.provenance import write_artifact
+
+    made = tmp_path / "made.json"
+    write_artifact(made, {"figure": 1})
+    data = json.loads(made.read_text())
+    data["provenance"]["environment"]["packages"]["torch"] = "2.4.0"
+    (tmp_path / "older.json").write_text(json.dumps(data))
+    res = subprocess.run([str(BIN / "imgclf"), "provenance", "--check", str(made),
+                          str(tmp_path / "older.json")], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    older = res.stdout.split(str(tmp_path / "older.json"))[1]
+    assert "torch: 2.4.0 then, " in older and "lock:" not in older, res.stdout
+    assert f"{made}: " in res.stdout.split(str(tmp_path / "older.json"))[0]
+    res = subprocess.run([str(BIN / "imgclf"), "provenance", "--check", str(tmp_path / "none")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "name a file under results/ that a run wrote." in res.stderr
 
 
 # --- determinism --------------------------------------------------------------------------------

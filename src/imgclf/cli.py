@@ -188,10 +188,35 @@ def cmd_lr_summary(args):
 
 
 def cmd_provenance(args):
-    from imgclf.provenance import describe, read_json
+    from pathlib import Path
 
+    from imgclf import provenance
+    from imgclf.errors import UserError
+
+    def read(path) -> dict:
+        try:
+            return provenance.read_json(path)
+        except (OSError, ValueError) as e:
+            raise UserError(f"Cannot read {path} as a result JSON ({e.__class__.__name__}): "
+                            f"name a file under results/ that a run wrote.") from None
+
+    if not args.check:
+        for path in args.files:
+            print(provenance.describe(path, read(path)))
+        return
+    env = provenance.environment()
+    checkout = provenance.git_revision(Path(provenance.__file__).resolve().parent)
+    differing = 0
     for path in args.files:
-        print(describe(path, read_json(path)))
+        recorded = read(path).get("provenance")
+        lines = (provenance.differences(recorded, env, checkout) if recorded
+                 else ["has no provenance block"])
+        differing += bool(lines)
+        print(f"{path}: " + ("differs" if lines else "same environment and checkout"))
+        for line in lines:
+            print(f"  {line}")
+    if differing:
+        raise SystemExit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     _ddp_commands(sub)
     p = sub.add_parser("provenance", help="print the provenance of result JSON files")
     p.add_argument("files", nargs="+")
+    p.add_argument("--check", action="store_true",
+                   help="say whether this environment and checkout are the ones that made each "
+                        "file (lock, every package's version, revision, uncommitted changes); "
+                        "exit 1 when any differs")
     p.set_defaults(fn=cmd_provenance)
     return parser
 

@@ -52,6 +52,21 @@ def package_versions() -> dict:
     return versions
 
 
+def environment() -> dict:
+    """The environment as a whole: the digest of the lock run.sh installed it from (None:
+    installed without one) and every installed distribution's version, so that a later check
+    can name each package that differs, not only the few `versions` shows."""
+    installed = Path(sys.prefix) / "installed-lock.txt"  # run.sh's copy of the lock it used
+    text = installed.read_bytes() if installed.is_file() else b""
+    packages = {}
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name:
+            packages[name] = dist.version
+    return {"lock": hashlib.sha256(text).hexdigest() if text else None,
+            "packages": dict(sorted(packages.items()))}
+
+
 def cuda_version() -> str | None:
     """CUDA version torch was built with (None for a CPU-only build or without torch).
 
@@ -109,6 +124,7 @@ def provenance(config_slice=None, inputs=()) -> dict:
         "config_digest": digest_obj(config_slice) if config_slice is not None else None,
         "inputs": {str(p): digest_file(p) for p in inputs if Path(p).is_file()},
         "versions": package_versions(),
+        "environment": environment(),
         "hardware": here,
         "pid": os.getpid(),  # with the host name: which process (which DDP rank) wrote it
         "job_seconds": round(job_seconds(), 1),
@@ -215,6 +231,41 @@ def describe(path, data: dict) -> str:
         f"CUDA {hw.get('cuda') or 'n/a'} (torch build)",
         "  versions       " + ", ".join(f"{k} {v}" for k, v in p["versions"].items()),
     ]
+    if env := p.get("environment"):
+        lines.append(f"  environment    {len(env['packages'])} packages, lock "
+                     f"{short(env['lock'])} (`--check` compares them with this one)")
     for name, digest in p["inputs"].items():
         lines.append(f"  input          {name} sha256:{digest[:16]}")
     return "\n".join(lines)
+
+
+def differences(p: dict, env: dict, checkout: dict) -> list[str]:
+    """How this environment and checkout (`env`, `checkout`: environment(), git_revision())
+    differ from those an artifact's provenance `p` records, one line each; [] when they match."""
+    if p.get("handoff"):
+        return [f"a hand-off file: check {p['full_report']}"]
+    then = p.get("environment")
+    lines, names = [], None
+    if then is None:  # written before provenance recorded the environment
+        lines.append("records no environment (written before locks): only the versions it "
+                     "records are compared")
+        then = {"lock": None, "packages": {k: v for k, v in p["versions"].items()
+                                           if k != "python"}}
+        names = set(then["packages"])
+    elif then["lock"] != env["lock"]:
+        lines.append(f"lock: {short(then['lock'])} then, {short(env['lock'])} now")
+    for name in sorted(names or set(then["packages"]) | set(env["packages"])):
+        was, now = then["packages"].get(name), env["packages"].get(name)
+        if was != now:
+            lines.append(f"{name}: {was or 'not installed'} then, {now or 'not installed'} now")
+    wf = p["workflow"]
+    if wf["revision"] != checkout["revision"]:
+        lines.append(f"revision: {wf['revision']} then, {checkout['revision']} now")
+    for when, dirty in (("then", wf.get("dirty")), ("now", checkout["dirty"])):
+        if dirty:
+            lines.append(f"the checkout had uncommitted changes {when}")
+    return lines
+
+
+def short(digest: str | None) -> str:
+    return f"sha256:{digest[:16]}" if digest else "none"
