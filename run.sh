@@ -22,7 +22,16 @@ pip_install() {
     return 1
 }
 
+# Snakemake 9 and the package (pyproject.toml's requires-python) need Python 3.11
+check_python() {
+    if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "run.sh: python3 is $(python3 -V 2>&1 | cut -d' ' -f2), and Snakemake 9 and this package need Python 3.11 or newer: put a newer python3 first on PATH (for example with pyenv or your cluster's module system)." >&2
+        exit 1
+    fi
+}
+
 setup() {
+    check_python
     # .venv's interpreter lies in this folder, and Snakemake runs its scripts with that path
     # unquoted (snakemake#2645): refuse a path a shell would split before installing anything
     if ! python3 -c 'import shlex, sys; sys.exit(shlex.quote(sys.argv[1]) != sys.argv[1])' "$PWD"; then
@@ -64,6 +73,7 @@ setup() {
 # are kept where they still fit; `./run.sh lock --upgrade` takes the newest that fit.
 make_locks() {
     local tool uv_platform python lock
+    check_python
     tool=$(mktemp -d)
     python3 -m venv "$tool"
     "$tool/bin/python" -m pip install --quiet 'uv>=0.13'

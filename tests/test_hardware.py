@@ -664,3 +664,21 @@ def test_the_memory_solve_refuses_emulated_bf16(solve_claims_here, cuda_device):
     unknown = {**entry("p3"), "name": "lab", "gpu_model": "Volta-32"}
     with pytest.raises(hardware.UserError, match=r"cluster 'lab' has Volta-32 GPUs \(sm_70\)"):
         measure_on(unknown, bf16)
+
+
+def test_run_sh_refuses_a_python_older_than_3_11_in_one_sentence(tmp_path):
+    """A login node's python3 is often older: run.sh says so, and what to do, before it
+    creates or installs anything."""
+    import subprocess
+
+    (tmp_path / "bin").mkdir()
+    stub = tmp_path / "bin" / "python3"
+    stub.write_text('#!/bin/sh\n[ "$1" = -V ] && echo "Python 3.10.12"\nexit 1\n')
+    stub.chmod(0o755)
+    shutil.copy(REPO / "run.sh", tmp_path / "run.sh")
+    res = subprocess.run(["bash", str(tmp_path / "run.sh"), "setup"], capture_output=True,
+                         text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+    assert res.returncode == 1 and not (tmp_path / ".venv").exists()
+    why = res.stderr.strip().removeprefix("run.sh: ")
+    assert one_sentence(why) and "3.10.12" in why and "3.11 or newer" in why, res.stderr
