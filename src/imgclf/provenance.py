@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import importlib.util
 import json
@@ -43,28 +44,33 @@ def digest_file(path: str | os.PathLike) -> str:
 
 
 def package_versions() -> dict:
-    versions = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    """Python's and PACKAGES' versions (None: not installed), read off environment()."""
+    installed = environment()["packages"]
+    return {"python": platform.python_version(), **{name: installed.get(name) for name in PACKAGES}}
 
 
 def environment() -> dict:
     """The environment as a whole: the digest of the lock run.sh installed it from (None:
     installed without one) and every installed distribution's version, so that a later check
     can name each package that differs, not only the few `versions` shows."""
+    lock, packages = _installed()
+    return {"lock": lock, "packages": dict(packages)}
+
+
+@functools.cache
+def _installed() -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """Read once per process: parsing every distribution's metadata takes a tenth of a second
+    or more, and a job may write several artifacts."""
     installed = Path(sys.prefix) / "installed-lock.txt"  # run.sh's copy of the lock it used
     text = installed.read_bytes() if installed.is_file() else b""
     packages = {}
     for dist in metadata.distributions():
-        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        meta = dist.metadata  # parsed on each access: once for the name and the version
+        name = (meta["Name"] or "").lower().replace("_", "-")
         if name:
-            packages[name] = dist.version
-    return {"lock": hashlib.sha256(text).hexdigest() if text else None,
-            "packages": dict(sorted(packages.items()))}
+            packages[name] = meta["Version"]
+    return (hashlib.sha256(text).hexdigest() if text else None,
+            tuple(sorted(packages.items())))
 
 
 def cuda_version() -> str | None:
