@@ -33,7 +33,7 @@ slurm_jobs.declare_gpu_pool(workflow)
 
 
 # `snakemake --lint` asks every rule for a conda environment or a container. Deliberately none:
-# the software is the imgclf package that run.sh installs into .venv, pinned by pyproject.toml,
+# the software is the imgclf package that run.sh installs into .venv from requirements/'s lock,
 # and every rule runs in that environment. tests/test_reproducibility.py accepts that remark and
 # no other.
 include: "workflow/rules/common.smk"

@@ -564,7 +564,7 @@ CONDA_REMARK = "Specify a conda environment or container for each rule."
 @pytest.mark.slow
 def test_snakemake_lint_has_only_the_documented_remark(tmp_path):
     """The one remark left is explained in the Snakefile: the software is the imgclf package
-    in .venv, pinned by pyproject.toml, not a conda environment per rule."""
+    in .venv from requirements/'s lock, not a conda environment per rule."""
     work = copy_workflow(tmp_path / "wf")
     res = subprocess.run([SNAKEMAKE, "--lint"], cwd=work, capture_output=True, text=True,
                          timeout=300)

@@ -1,5 +1,5 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
-# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+# that run.sh installs into .venv from the lock in requirements/; see the comment in the Snakefile.
 rule forecast:
     """Training's time, images/s, bound, device-hours and cost, from the LR runs' step times,
     the loader benchmark and the memory solve, and the same at device counts whose batch is

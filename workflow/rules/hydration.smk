@@ -1,5 +1,5 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
-# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+# that run.sh installs into .venv from the lock in requirements/; see the comment in the Snakefile.
 checkpoint check_hydration:
     """Census, Lustre HSM state, every image decoded, read speed and a verdict for the cluster's
     data root; unusable files excluded and listed; the file index every later stage reads. A

@@ -1,5 +1,5 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
-# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+# that run.sh installs into .venv from the lock in requirements/; see the comment in the Snakefile.
 rule benchmark_loader:
     """Images/s of the training input pipeline per num_workers x prefetch x decode path; the
     cheapest configuration near the best that fits the RAM budget."""

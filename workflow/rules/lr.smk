@@ -1,5 +1,5 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
-# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+# that run.sh installs into .venv from the lock in requirements/; see the comment in the Snakefile.
 rule lr_find:
     """One LR range test on one device at the per-device batch of the cluster (seed = seed + run)."""
     input:

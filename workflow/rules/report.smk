@@ -1,5 +1,5 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
-# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+# that run.sh installs into .venv from the lock in requirements/; see the comment in the Snakefile.
 rule report_table:
     """One key table of the HTML report (chosen loader settings, memory solve, LR summary,
     forecast, evaluation) as a small HTML page: the report shows HTML inline, a TSV only as a

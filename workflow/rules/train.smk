@@ -1,5 +1,5 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
-# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+# that run.sh installs into .venv from the lock in requirements/; see the comment in the Snakefile.
 rule train_settings:
     """The training's settings (its params) as a file, rewritten when they change, which
     training takes as an ordinary input. That input is what reruns training after a change of

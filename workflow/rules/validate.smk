@@ -3,7 +3,7 @@
 # `train.lr_source: validation` makes training depend on it. A best at the grid's edge is
 # followed outward by a chain of checkpoints (validate_lr_edge), each adding at most one run.
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
-# that run.sh installs into .venv, pinned by pyproject.toml; see the comment in the Snakefile.
+# that run.sh installs into .venv from the lock in requirements/; see the comment in the Snakefile.
 wildcard_constraints:
     multiple=r"\d+(\.\d+)?(e[-+]?\d+)?",
     step=r"\d+",
