@@ -9,11 +9,12 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 # pip install into .venv, tried again after a pause when the network drops a download: pip gives
-# up on a wheel after a few quick resumes, and torch's CUDA wheels are large.
+# up on a wheel after a few quick resumes, and torch's CUDA wheels are large. Bytecode is
+# compiled after the installs, on every core (compile_bytecode), not by pip on one.
 pip_install() {
     local attempt
     for attempt in 1 2 3; do
-        .venv/bin/python -m pip install --quiet "$@" && return 0
+        .venv/bin/python -m pip install --quiet --no-compile "$@" && return 0
         [ "$attempt" = 3 ] && break
         echo "run.sh: pip install failed (attempt $attempt of 3); trying again in $((60 * attempt)) s" >&2
         sleep $((60 * attempt))
@@ -63,9 +64,18 @@ setup() {
             echo "run.sh: no lock for $(uname -s) $(uname -m) in requirements/: installing the newest releases pyproject.toml allows" >&2
             pip_install -e '.[test]'
         fi
+        compile_bytecode
         cp "$installed_from" .venv/installed-lock.txt # what provenance names the environment by
         touch .venv/.installed
     fi
+}
+
+# Bytecode of every installed module, compiled on all cores: pip compiles on one, as it
+# installs (docs/benchmarks.md, "Set-up from the lock"). Compiled here rather than on first
+# import, so that a .venv that other users run without write access starts as fast for them. A
+# file that does not compile (a package's test data) is skipped, as pip skips it.
+compile_bytecode() {
+    .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 }
 
 # Make the locks again (requirements/, one per platform) after pyproject.toml's dependencies or
