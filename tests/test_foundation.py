@@ -357,3 +357,18 @@ def test_a_shared_build_that_failed_fails_its_other_users_at_once(tmp_path):
                                                     "RuntimeError: the demo run ran past its time"):
         built_once(factory, "shared", failing)
     assert len(calls) == 1
+
+
+def test_progress_in_a_log_advances_and_never_repeats_a_line(caplog):
+    """Outside a terminal the bar is a log line now and then: one at the start, one at the end,
+    and a postfix the loader grid sets per configuration adds none (each used to log the line
+    before it again, its count not yet advanced: 'loader grid: 0/7' twice per configuration)."""
+    from imgclf.progress import progress
+
+    with caplog.at_level("INFO", logger="imgclf.progress"):
+        bar = progress(range(3), desc="grid", unit="config")
+        for i in bar:
+            bar.set_postfix_str(f"config {i}")
+            bar.set_postfix(rate=i)
+    counts = [re.search(r"grid: (\d+)/3", r.getMessage()).group(1) for r in caplog.records]
+    assert counts == ["0", "3"], [r.getMessage() for r in caplog.records]

@@ -24,8 +24,16 @@ class _LogLines(tqdm):
 
     def display(self, msg=None, pos=None):
         if msg != "":  # tqdm passes "" when it clears a bar that does not stay
-            log.info("%s", self)
+            log.info("%s", str(self))  # the line as it is now, not when a handler reads it
         return True
+
+    # The plain line has no postfix, so a postfix changed without a redraw: redrawing for it
+    # would log the last line again, its count not yet advanced.
+    def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+        super().set_postfix(ordered_dict, refresh=False, **kwargs)
+
+    def set_postfix_str(self, s="", refresh=True):
+        super().set_postfix_str(s, refresh=False)
 
 
 def hms(seconds: float) -> str:
