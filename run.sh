@@ -7,6 +7,9 @@
 #   ./run.sh lock [--upgrade]           make requirements/'s locks again (after pyproject.toml)
 set -euo pipefail
 cd "$(dirname "$0")"
+# Ctrl-C ends the set-up. pip and compileall catch it and exit 1, which the retries below and
+# the skipped files would otherwise read as a failure to go on from.
+trap 'exit 130' INT
 
 # pip install into .venv, tried again after a pause when the network drops a download: pip gives
 # up on a wheel after a few quick resumes, and torch's CUDA wheels are large. Bytecode is
@@ -70,12 +73,16 @@ setup() {
     fi
 }
 
-# Bytecode of every installed module, compiled on all cores: pip compiles on one, as it
+# Bytecode of every installed module, compiled on the cores this process may use (a login
+# node's or a Slurm job's share, not the machine's count): pip compiles on one, as it
 # installs (docs/benchmarks.md, "Set-up from the lock"). Compiled here rather than on first
 # import, so that a .venv that other users run without write access starts as fast for them. A
 # file that does not compile (a package's test data) is skipped, as pip skips it.
 compile_bytecode() {
-    .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
+    local cores site
+    cores=$(python3 -c 'import os; print(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)')
+    site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+    .venv/bin/python -m compileall -q -j "$cores" "$site" > /dev/null || true
 }
 
 # Make the locks again (requirements/, one per platform) after pyproject.toml's dependencies or

@@ -683,3 +683,43 @@ def test_run_sh_refuses_a_python_older_than_3_11_in_one_sentence(tmp_path):
     assert res.returncode == 1 and not (tmp_path / ".venv").exists()
     why = res.stderr.strip().removeprefix("run.sh: ")
     assert one_sentence(why) and "3.10.12" in why and "3.11 or newer" in why, res.stderr
+
+
+def test_ctrl_c_during_the_set_up_ends_it(tmp_path):
+    """pip (and compileall) catch Ctrl-C and exit 1; run.sh must stop there with 130, not read
+    it as a dropped download to try again in 60 s, nor go on to run the pipeline."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    for part in ("src", "requirements", "pyproject.toml"):
+        (tmp_path / part).symlink_to(REPO / part)
+    shutil.copy(REPO / "run.sh", tmp_path / "run.sh")
+    (tmp_path / "bin").mkdir()
+    pip = tmp_path / "pip-stub"  # the environment's python: `-m pip` waits, exits 1 at SIGINT
+    pip.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/pip-calls\n'
+                   "sleep 30 > /dev/null 2>&1 &\ntrap 'kill $!; exit 1' INT\nwait\n")
+    python3 = tmp_path / "bin" / "python3"  # `-m venv` makes that stub; the rest, the real one
+    python3.write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m venv" ]; then mkdir -p .venv/bin && '
+                       f'cp {pip} .venv/bin/python && exit 0; fi\nexec {sys.executable} "$@"\n')
+    for stub in (pip, python3):
+        stub.chmod(0o755)
+    run = subprocess.Popen(
+        ["bash", str(tmp_path / "run.sh"), "demo"], cwd=tmp_path, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pip-calls").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)  # the stub's trap is set
+        os.killpg(run.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's whole process group
+        _, err = run.communicate(timeout=20)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 130, err
+    assert "trying again" not in err and not (tmp_path / ".venv" / ".installed").exists(), err
+    assert (tmp_path / "pip-calls").read_text().count("install") == 1
