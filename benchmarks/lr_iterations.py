@@ -34,7 +34,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=4, help="pipeline seeds (each lr_finder.runs runs)")
     p.add_argument("--iterations", type=int, nargs="+", default=[100, 50])
     args = p.parse_args()
-    config = prepare(args.work.resolve())
+    args.work = args.work.resolve()
+    config = prepare(args.work)
     os.chdir(args.work)  # the file indexes name the images relative to the workflow's folder
     plan = Plan.read("results/memory/local.json", "local")
     hw = slices.device_entry(config, "local")

@@ -359,12 +359,15 @@ def test_a_shared_build_that_failed_fails_its_other_users_at_once(tmp_path):
     assert len(calls) == 1
 
 
-def test_progress_in_a_log_advances_and_never_repeats_a_line(caplog):
+def test_progress_in_a_log_advances_and_never_repeats_a_line(caplog, monkeypatch):
     """Outside a terminal the bar is a log line now and then: one at the start, one at the end,
     and a postfix the loader grid sets per configuration adds none (each used to log the line
     before it again, its count not yet advanced: 'loader grid: 0/7' twice per configuration)."""
+    import io
+
     from imgclf.progress import progress
 
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file, not a terminal
     with caplog.at_level("INFO", logger="imgclf.progress"):
         bar = progress(range(3), desc="grid", unit="config")
         for i in bar:
