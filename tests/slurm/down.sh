@@ -20,7 +20,14 @@ stop() {  # pid file
 for pidfile in "$STATE"/slurmd-*.pid; do stop "$pidfile"; done
 for name in slurmctld slurmdbd mariadbd munged; do stop "$STATE/$name.pid"; done
 if [ -f "$STATE/netns" ]; then
-    while read -r ns; do ip netns del "$ns" 2>/dev/null; done < "$STATE/netns"
+    # Whatever still runs in a node (a job step outlives slurmd) is ours and is killed: it would
+    # keep the namespace, and its veth, alive after `ip netns del`, and the next up.sh would
+    # stop at "File exists".
+    while read -r ns; do
+        pids=$(ip netns pids "$ns" 2>/dev/null)
+        [ -n "$pids" ] && kill -9 $pids 2>/dev/null
+        ip netns del "$ns" 2>/dev/null
+    done < "$STATE/netns"
 fi
 [ -f "$STATE/bridge" ] && ip link del "$(cat "$STATE/bridge")" 2>/dev/null
 if grep -qF "$MARK" /etc/hosts; then

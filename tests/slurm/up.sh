@@ -81,6 +81,8 @@ for i in $(seq 1 "$ALL") 21 22; do
     nodes+=("$node")
     ip netns add "$node"
     echo "$node" >> "$STATE/netns"
+    # a veth of this name left by a cluster whose teardown did not finish is removed first
+    ip link del "imgclf-v$i" 2>/dev/null || true
     ip link add "imgclf-v$i" type veth peer name eth0 netns "$node"
     ip link set "imgclf-v$i" master "$BRIDGE" up
     ip -n "$node" addr add "$addr/24" dev eth0
