@@ -80,7 +80,7 @@ setup() {
 # file that does not compile (a package's test data) is skipped, as pip skips it.
 compile_bytecode() {
     local cores site
-    cores=$(python3 -c 'import os; print(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)')
+    cores=$(.venv/bin/python -c 'from imgclf.hardware import usable_cpus; print(usable_cpus())')
     site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
     .venv/bin/python -m compileall -q -j "$cores" "$site" > /dev/null || true
 }
