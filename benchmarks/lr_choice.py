@@ -6,8 +6,9 @@ On the demo digits, with a budget short enough that the LR matters (2 epochs; at
 1. runs the memory solve in a scratch copy of the workflow (never in the repository's results/);
 2. runs LR range tests with the package's `lr_find.find` (the pipeline's range test) for
    `--seeds` pipeline seeds of `lr_finder.runs` runs each, and for each seed the pipeline's
-   choice (`lr_summary.summarize`: log-median of the runs, scaled to the global batch), with the
-   default suggestion (`minimum`) and with `steepest`, the default before this benchmark;
+   choice (`lr_summary.summarize`: log-median of the runs, scaled to the global batch; with
+   `lr_finder.multiple` 1, the suggestions as found, whose multiple lr_default.py calibrates),
+   with the default suggestion (`minimum`) and with `steepest`, the default before this benchmark;
 3. reads two single-run suggestions from the first run of each seed, scaled the same way:
    torch-lr-finder's `LRFinder.plot(suggest_lr=True)` (steepest per point over the whole window,
    as tests/test_lr.py checks against the library) and fastai's `valley` as `Learner.lr_find`
@@ -175,7 +176,8 @@ def main() -> None:
     per_seed = config["lr_finder"]["runs"]
     runs = range_tests(args.work, config, plan, args.seeds * per_seed)
     t_range = time.perf_counter() - start
-    summary_cfg = slices.lr_summary_params(config, "local")["cfg"]
+    # the suggestions as found (`multiple: 1`): lr_default.py calibrates the multiple
+    summary_cfg = {**slices.lr_summary_params(config, "local")["cfg"], "multiple": 1.0}
     recipe = recipes.get(config["model"]["recipe"])
     chosen, steepest, tlf, valley = [], [], [], []
     for s in range(args.seeds):

@@ -41,7 +41,7 @@ def main() -> None:
     hw = slices.device_entry(config, "local")
     source = str(args.work / slices.index_files("local")["train"])
     per_seed = config["lr_finder"]["runs"]
-    summary_cfg = slices.lr_summary_params(config, "local")["cfg"]
+    summary_cfg = {**slices.lr_summary_params(config, "local")["cfg"], "multiple": 1.0}
     first = None
     print(f"demo digits, global batch {plan.global_batch}, range tests at batch "
           f"{plan.per_device_batch}, {args.seeds} seeds x {per_seed} runs, 2 threads each")

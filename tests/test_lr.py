@@ -126,7 +126,7 @@ def test_aggregation_log_median_spread_and_excluded_run():
     runs = [fake_run(0, 0.01), fake_run(1, 0.04), fake_run(2, 0.02),
             fake_run(3, 0.5, nonfinite_at=10)]  # NaN at lr ~3e-5, before its suggestion
     s = lr_summary.summarize(runs, plan(256), CFG, "goyal")
-    assert s["chosen_lr"] == pytest.approx(0.02, rel=GRID - 1)
+    assert s["suggested_lr"] == pytest.approx(0.02, rel=GRID - 1)
     assert s["valid_runs"] == 3
     assert [r["excluded"] for r in s["runs"]] == [False, False, False, True]
     assert "before its suggestion" in s["runs"][3]["flags"][0]
@@ -137,6 +137,19 @@ def test_aggregation_log_median_spread_and_excluded_run():
     assert s["training_lr"] == pytest.approx(s["chosen_lr"] * 256 / 64)
     assert s["reference_lr"] == pytest.approx(0.1)  # goyal: 0.1 per 256
     assert any("run 3 excluded" in w for w in s["warnings"])
+
+
+def test_the_chosen_lr_is_the_multiple_of_the_median_suggestion():
+    """`lr_finder.multiple` (4 by default) carries the median suggestion to the LR training
+    gets, and 1 hands on the suggestion itself; the spread is the suggestions'."""
+    runs = [fake_run(0, 0.01), fake_run(1, 0.04), fake_run(2, 0.02)]
+    default = lr_summary.summarize(runs, plan(64), CFG, "goyal")
+    as_found = lr_summary.summarize(runs, plan(64), {**CFG, "multiple": 1.0}, "goyal")
+    assert CFG["multiple"] == 4.0 and default["multiple"] == 4.0
+    assert as_found["chosen_lr"] == as_found["suggested_lr"] == default["suggested_lr"]
+    assert default["chosen_lr"] == pytest.approx(4 * default["suggested_lr"])
+    assert default["training_lr"] == pytest.approx(default["chosen_lr"])  # batch 64 both
+    assert default["spread"] == as_found["spread"]
 
 
 def test_suggestion_rules_are_applied_by_the_summary():
@@ -249,14 +262,15 @@ def test_lr_stage_runs_for_real_and_is_reproducible(workflow_copy):
     assert all(r["batch_size"] == memory["per_device_batch"] for r in runs)
     assert runs[0]["history"]["loss"] != runs[1]["history"]["loss"]  # seeds differ
     summary = json.loads((workflow_copy / "results/lr/local_summary.json").read_text())
-    # each run read from its file with the stage's settings; the chosen LR their geometric
-    # median over the runs not excluded
+    # each run read from its file with the stage's settings; the suggested LR their geometric
+    # median over the runs not excluded, the chosen LR `lr_finder.multiple` times it
     cfg = {**settings.load()["lr_finder"], **yaml.safe_load(FAST)["lr_finder"]}
     assert summary["runs"] == [lr_summary.read_curve(r, cfg) for r in runs]
     valid = [r["suggestions"][summary["method"]] for r in summary["runs"] if not r["excluded"]]
     assert summary["valid_runs"] == len(valid) >= 2
-    assert summary["chosen_lr"] == pytest.approx(math.exp(statistics.median(
+    assert summary["suggested_lr"] == pytest.approx(math.exp(statistics.median(
         math.log(v) for v in valid)))
+    assert summary["chosen_lr"] == pytest.approx(cfg["multiple"] * summary["suggested_lr"])
     assert summary["global_batch"] == memory["global_batch"]
     assert summary["scaling"] == "linear"  # auto, for the demo recipe's SGD
     assert summary["training_lr"] == pytest.approx(

@@ -104,6 +104,7 @@ CONFIG_CASES = {
     "lr_finder: aggregation": ("lr_finder: {scaling: sqrt}", LR_SUMMARY),
     # how a finished curve is read is the summary's: never a range test again
     "lr_finder: suggestion": ("lr_finder: {suggestion: valley}", LR_SUMMARY),
+    "lr_finder: multiple": ("lr_finder: {multiple: 2}", LR_SUMMARY),
     "lr_finder: skip_start": ("lr_finder: {skip_start: 4}", LR_SUMMARY),
     "lr_finder: skip_end": ("lr_finder: {skip_end: 3}", LR_SUMMARY),
     "lr_finder: gradient": ("lr_finder: {gradient: index}", LR_SUMMARY),

@@ -138,6 +138,11 @@ def test_lr_source_recipe_and_finder(tmp_path):
     write_lr_summary(f, 0.37, 256)
     r = train_learning_rate.resolve_lr("lr_finder", f, rec, plan)
     assert (r["value"], r["source"], r["scaling"]) == (0.37, "lr_finder", "linear")
+    assert r["multiple"] == 1.0  # a summary from before `lr_finder.multiple`: the suggestion
+    summary = json.loads(f.read_text())
+    f.write_text(json.dumps({**summary, "suggested_lr": 0.0025, "multiple": 4.0}))
+    r = train_learning_rate.resolve_lr("lr_finder", f, rec, plan)
+    assert r["multiple"] == 4.0 and "x4 the runs' median suggestion" in r["detail"]
     write_lr_summary(f, 0.37, 512)
     with pytest.raises(UserError, match="global batch 512 but the memory solve plans 256"):
         train_learning_rate.resolve_lr("lr_finder", f, rec, plan)

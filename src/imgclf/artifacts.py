@@ -96,8 +96,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class LRSummary:
-    """The LR the finder runs agree on and the LR training uses at the plan's global batch
-    (results/lr/{cluster}_summary.json)."""
+    """The LR the finder runs agree on (their median suggestion times `lr_finder.multiple`) and
+    the LR training uses at the plan's global batch (results/lr/{cluster}_summary.json)."""
 
     path: str
     chosen_lr: float
@@ -106,6 +106,7 @@ class LRSummary:
     global_batch: int
     scaling: str
     scaling_reason: str
+    multiple: float = 1.0  # a summary from before `lr_finder.multiple` handed on the suggestion
 
     @classmethod
     def read(cls, path) -> "LRSummary":
@@ -121,7 +122,8 @@ class LRSummary:
         return cls(path=str(path), chosen_lr=float(d["chosen_lr"]), training_lr=float(lr),
                    finder_batch=int(d["lr_finder_effective_batch"]),
                    global_batch=int(d["global_batch"]), scaling=d["scaling"],
-                   scaling_reason=d.get("scaling_reason", ""))
+                   scaling_reason=d.get("scaling_reason", ""),
+                   multiple=float(d.get("multiple", 1.0)))
 
 
 def lr_runs(paths) -> list[dict]:

@@ -181,8 +181,9 @@ def cmd_lr_summary(args):
     memory = _upstream(args.memory or f"results/memory/{name}.json", f"results/memory/{name}.json")
     summary = lr_summary.run(runs, memory, **slices.lr_summary_params(config, name),
                              out=f"{folder}_summary.json", plot=f"{folder}.png", cluster=name)
-    print(f"chosen LR {summary['chosen_lr']:.4g} (spread x{summary['spread']['max_over_min']:.2f}"
-          f" over {summary['valid_runs']} runs); training LR {summary['training_lr']:.4g} at "
+    print(f"chosen LR {summary['chosen_lr']:.4g} (x{summary['multiple']:g} the suggestions' "
+          f"median, spread x{summary['spread']['max_over_min']:.2f} over "
+          f"{summary['valid_runs']} runs); training LR {summary['training_lr']:.4g} at "
           f"global batch {summary['global_batch']} ({summary['scaling']}); recipe reference "
           f"{summary['reference_lr']:.4g}")
 

@@ -1,6 +1,7 @@
 """The LR the range tests agree on: each run's curve read by a suggestion rule, the median in log
-space of the runs' suggestions with their spread, the runs that produced no usable suggestion
-excluded and said, and the LR scaled from the finder's batch to the global training batch by a
+space of the runs' suggestions with their spread, times a multiple calibrated on full trainings
+(`lr_finder.multiple`), the runs that produced no usable suggestion excluded and said, and the
+LR scaled from the finder's batch to the global training batch by a
 stated rule (imgclf.lr_scaling)."""
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def summarize(runs: list[dict], plan: Plan, cfg: dict, recipe_name: str) -> dict
         raise UserError(f"No LR-finder run produced a usable `{method}` suggestion: widen "
                         f"`lr_finder.start_lr`/`end_lr`, raise `lr_finder.num_iter`, or choose "
                         f"`lr_finder.suggestion: {other}`.")
-    chosen = float(np.exp(np.median(np.log(valid))))
+    suggested = float(np.exp(np.median(np.log(valid))))
+    chosen = suggested * cfg["multiple"]
     sp = spread(valid)
     warnings = [f"run {p['run']} excluded: {'; '.join(p['flags'])}" for p in per_run if p["excluded"]]
     warnings += [w for w in [_check_spread(sp, cfg)] if w]
@@ -135,7 +137,7 @@ def summarize(runs: list[dict], plan: Plan, cfg: dict, recipe_name: str) -> dict
     finder_batch, global_batch = runs[0]["effective_batch"], plan.global_batch
     return {
         "method": method, "runs": per_run, "valid_runs": len(valid),
-        "chosen_lr": chosen, "spread": sp,
+        "suggested_lr": suggested, "multiple": cfg["multiple"], "chosen_lr": chosen, "spread": sp,
         "lr_finder_batch": runs[0]["batch_size"], "lr_finder_effective_batch": finder_batch,
         "global_batch": global_batch, "scaling": rule, "scaling_reason": why,
         "training_lr": scale_lr(chosen, finder_batch, global_batch, rule),
@@ -150,10 +152,10 @@ def run(run_paths, memory_path, cfg, recipe_name, out, plot, cluster) -> dict:
     """results/lr/{cluster}_summary.json and its plot."""
     runs = artifacts.lr_runs(run_paths)
     summary = summarize(runs, Plan.read(memory_path, cluster), cfg, recipe_name)
-    log.info("chosen LR %.4g (spread x%.2f), training LR %.4g at global batch %d (%s); recipe "
-             "reference %.4g", summary["chosen_lr"], summary["spread"]["max_over_min"],
-             summary["training_lr"], summary["global_batch"], summary["scaling"],
-             summary["reference_lr"])
+    log.info("chosen LR %.4g (x%g the suggestions' median, spread x%.2f), training LR %.4g at "
+             "global batch %d (%s); recipe reference %.4g", summary["chosen_lr"],
+             summary["multiple"], summary["spread"]["max_over_min"], summary["training_lr"],
+             summary["global_batch"], summary["scaling"], summary["reference_lr"])
     plots.lr_summary(runs, summary, plot)
     return write_artifact(out, summary, config_slice={"lr_finder": cfg, "recipe": recipe_name},
                           inputs=[*run_paths, memory_path])

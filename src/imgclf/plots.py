@@ -172,7 +172,8 @@ def lr_summary(runs: list[dict], summary: dict, path) -> None:
             i = int(np.argmin(np.abs(np.asarray(h["lr"]) - lr)))
             ax.plot(lr, h["smoothed_loss"][i], "o", color=line.get_color(), ms=8)
     ax.axvline(summary["chosen_lr"], color="black", ls="--",
-               label=f"chosen {summary['chosen_lr']:.3g} (median of {summary['valid_runs']})")
+               label=f"chosen {summary['chosen_lr']:.3g} (x{summary['multiple']:g} the median "
+                     f"of {summary['valid_runs']})")
     ax.set_xscale("log")
     finite = [x for r in runs for x in r["history"]["smoothed_loss"] if math.isfinite(x)]
     if finite:  # keep the divergence spike from flattening the interesting part

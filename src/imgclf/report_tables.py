@@ -120,7 +120,8 @@ def lr_tables(d: dict) -> list[tuple]:
     sp = d["spread"]
     choice = [
         ("suggestion method", d["method"]),
-        ("chosen LR (log-median)", f"{_num(d['chosen_lr'])} over {d['valid_runs']} runs"),
+        ("suggested LR (log-median)", f"{_num(d['suggested_lr'])} over {d['valid_runs']} runs"),
+        ("chosen LR", f"{_num(d['chosen_lr'])} (x{d['multiple']:g}, `lr_finder.multiple`)"),
         ("spread", f"x{sp['max_over_min']:.2f} ({_num(sp['min'])} to {_num(sp['max'])}), "
                    f"geometric std {sp['geometric_std']:.3f}"),
         ("finder batch (effective)", f"{d['lr_finder_batch']} ({d['lr_finder_effective_batch']})"),

@@ -142,8 +142,8 @@ def memory_params(config: dict, cluster_name: str) -> dict:
 # summary and what follows it, never the range tests, which are GPU jobs in a queue.
 RANGE_TEST_KEYS = ("seed", "start_lr", "end_lr", "num_iter", "smooth_f", "diverge_th",
                    "accumulate")
-SUMMARY_KEYS = ("skip_start", "skip_end", "gradient", "until_minimum", "suggestion", "scaling",
-                "spread_limit", "on_spread")
+SUMMARY_KEYS = ("skip_start", "skip_end", "gradient", "until_minimum", "suggestion", "multiple",
+                "scaling", "spread_limit", "on_spread")
 
 
 def lr_find_params(config: dict, cluster_name: str) -> dict:

@@ -26,10 +26,11 @@ def resolve_lr(source: str, lr_file, recipe: recipes.Recipe, plan: Plan) -> dict
                         f"the memory solve plans {plan.global_batch}: rerun `snakemake "
                         f"{lr_file}`.")
     return {"value": s.training_lr, "source": "lr_finder", "file": str(lr_file),
-            "chosen_lr": s.chosen_lr, "scaling": s.scaling, "scaling_reason": s.scaling_reason,
-            "global_batch": plan.global_batch,
-            "detail": f"LR finder {s.chosen_lr:.4g} at batch {s.finder_batch}, {s.scaling} "
-                      f"scaling to global batch {plan.global_batch}"}
+            "chosen_lr": s.chosen_lr, "multiple": s.multiple, "scaling": s.scaling,
+            "scaling_reason": s.scaling_reason, "global_batch": plan.global_batch,
+            "detail": f"LR finder {s.chosen_lr:.4g} (x{s.multiple:g} the runs' median "
+                      f"suggestion) at batch {s.finder_batch}, {s.scaling} scaling to global "
+                      f"batch {plan.global_batch}"}
 
 
 def validated_lr(path, plan: Plan) -> dict:
