@@ -89,8 +89,9 @@ def fastai_valley(lrs, raw_losses, num_it: int) -> float | None:
 
 # --- the pipeline's stages, in a scratch copy of the workflow ----------------------------------
 
-def prepare(work: Path) -> dict:
-    """Copy the workflow to `work` and run it up to the memory solve there."""
+def prepare(work: Path, bench_yaml: str = FAST_LOADER) -> dict:
+    """Copy the workflow to `work` and run it up to the memory solve there, with `bench_yaml`
+    (WORK/bench.yaml) on top of the config; the config it ran with."""
     if not (work / "results/memory/local.json").is_file():
         work.mkdir(parents=True, exist_ok=True)
         for part in PARTS:
@@ -98,11 +99,17 @@ def prepare(work: Path) -> dict:
             if dst.exists():
                 continue
             (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
-        (work / "fast_loader.yaml").write_text(FAST_LOADER)
+        (work / "bench.yaml").write_text(bench_yaml)
         subprocess.run([str(BIN / "snakemake"), "--cores", "2", "results/memory/local.json",
-                        "--configfile", "fast_loader.yaml"], cwd=work, check=True,
+                        "--configfile", "bench.yaml"], cwd=work, check=True,
                        capture_output=True)
-    return settings.load([work / "fast_loader.yaml"])
+    return settings.load([work / "bench.yaml"])
+
+
+def as_found(config: dict) -> dict:
+    """The LR summary's settings with `multiple: 1`: the suggestions as found, which the
+    benchmarks measure (lr_default.py calibrates the multiple)."""
+    return {**slices.lr_summary_params(config, "local")["cfg"], "multiple": 1.0}
 
 
 def range_tests(work: Path, config: dict, plan: Plan, n: int) -> list[dict]:
@@ -121,14 +128,15 @@ def range_tests(work: Path, config: dict, plan: Plan, n: int) -> list[dict]:
     return runs
 
 
-def train(work: Path, config: dict, lr: float, reference: float, seed: int) -> dict:
+def train(work: Path, config: dict, lr: float, reference: float, seed: int,
+          epochs: int = BUDGET_EPOCHS) -> dict:
     """One real training (`imgclf train`) at `lr` with the LR-validation budget; cached."""
     m = lr / reference
     out = work / "bench" / "train" / f"lr{lr:.5g}_s{seed}"
     if not (out / "train_summary.json").is_file():
         params = slices.validate_lr_run_params(config, "local", m)
         params["train"] = {**params["train"], "lr_source": "recipe", "seed": seed}
-        params["validation"]["budget"] = {"epochs": BUDGET_EPOCHS}
+        params["validation"]["budget"] = {"epochs": epochs}
         subprocess.run([str(BIN / "imgclf"), "train", "--params-json", json.dumps(params),
                         "--memory", "results/memory/local.json", "--out-dir", str(out)],
                        cwd=work, check=True, capture_output=True)
@@ -177,7 +185,7 @@ def main() -> None:
     runs = range_tests(args.work, config, plan, args.seeds * per_seed)
     t_range = time.perf_counter() - start
     # the suggestions as found (`multiple: 1`): lr_default.py calibrates the multiple
-    summary_cfg = {**slices.lr_summary_params(config, "local")["cfg"], "multiple": 1.0}
+    summary_cfg = as_found(config)
     recipe = recipes.get(config["model"]["recipe"])
     chosen, steepest, tlf, valley = [], [], [], []
     for s in range(args.seeds):

@@ -29,9 +29,7 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +40,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 import lr_choice  # noqa: E402  (the range tests and one training, cached in WORK)
 
-from imgclf import lr_summary, recipes, settings, slices  # noqa: E402
+from imgclf import lr_summary, recipes  # noqa: E402
 from imgclf.artifacts import Plan  # noqa: E402
 
 METHODS = ("minimum", "steepest", "valley")
@@ -63,22 +61,12 @@ def prepare(work: Path, root: Path, epochs: int) -> dict:
     if stamp.is_file() and yaml.safe_load(stamp.read_text()) != extra:
         sys.exit(f"{work} holds runs of another data set or budget ({stamp}): remove it or pass "
                  f"--work")
-    stamp.write_text(yaml.safe_dump(extra))
-    if not (work / "results/memory/local.json").is_file():
-        for part in lr_choice.PARTS:
-            src, dst = lr_choice.REPO / part, work / part
-            if not dst.exists():
-                (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
-        subprocess.run([str(lr_choice.BIN / "snakemake"), "--cores", "2",
-                        "results/memory/local.json", "--configfile", "bench.yaml"],
-                       cwd=work, check=True, capture_output=True)
-    return settings.load([work / "bench.yaml"])
+    return lr_choice.prepare(work, yaml.safe_dump(extra))
 
 
 def full_training(work: Path, config: dict, lr: float, reference: float, epochs: int) -> dict:
     """One real training at `lr` for the planned `epochs` (cached in `work`)."""
-    lr_choice.BUDGET_EPOCHS = epochs
-    return lr_choice.train(work, config, lr, reference, seed=0)
+    return lr_choice.train(work, config, lr, reference, seed=0, epochs=epochs)
 
 
 def octaves(lr: float, best: float) -> float:
@@ -94,9 +82,8 @@ def one_data_set(name: str, root: Path, args) -> dict:
     t0 = time.perf_counter()
     runs = lr_choice.range_tests(work, config, plan, args.seeds * per_seed)
     t_range = time.perf_counter() - t0
-    summary_cfg = slices.lr_summary_params(config, "local")["cfg"]
-    default_multiple = summary_cfg["multiple"]
-    summary_cfg["multiple"] = 1.0  # the suggestions as found: the multiples are measured here
+    default_multiple = config["lr_finder"]["multiple"]
+    summary_cfg = lr_choice.as_found(config)
     recipe = recipes.get(config["model"]["recipe"])
     chosen = {m: [] for m in METHODS}
     for s in range(args.seeds):

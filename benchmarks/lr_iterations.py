@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lr_choice import prepare, spread_text, steps_from  # noqa: E402 - same scratch workflow
+from lr_choice import as_found, prepare, spread_text, steps_from  # noqa: E402 - same scratch workflow
 
 from imgclf import lr_find, lr_summary, slices  # noqa: E402
 from imgclf.artifacts import Plan  # noqa: E402
@@ -41,7 +41,7 @@ def main() -> None:
     hw = slices.device_entry(config, "local")
     source = str(args.work / slices.index_files("local")["train"])
     per_seed = config["lr_finder"]["runs"]
-    summary_cfg = {**slices.lr_summary_params(config, "local")["cfg"], "multiple": 1.0}
+    summary_cfg = as_found(config)
     first = None
     print(f"demo digits, global batch {plan.global_batch}, range tests at batch "
           f"{plan.per_device_batch}, {args.seeds} seeds x {per_seed} runs, 2 threads each")

@@ -1,8 +1,8 @@
 """The LR the range tests agree on: each run's curve read by a suggestion rule, the median in log
 space of the runs' suggestions with their spread, times a multiple calibrated on full trainings
 (`lr_finder.multiple`), the runs that produced no usable suggestion excluded and said, and the
-LR scaled from the finder's batch to the global training batch by a
-stated rule (imgclf.lr_scaling)."""
+LR scaled from the finder's batch to the global training batch by a stated rule
+(imgclf.lr_scaling)."""
 
 from __future__ import annotations
 
