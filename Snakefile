@@ -1,5 +1,6 @@
 # Image-classification pipeline: hydration check -> loader benchmark -> memory solve ->
 # LR finder runs -> LR summary -> DDP training -> evaluation. See README.md.
+# Optional: the LR validation (validate.smk) and the batch curve (batch.smk).
 import sys
 
 from snakemake.utils import min_version
@@ -46,6 +47,7 @@ include: "workflow/rules/noise.smk"
 include: "workflow/rules/forecast.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/validate.smk"
+include: "workflow/rules/batch.smk"
 include: "workflow/rules/report.smk"
 
 

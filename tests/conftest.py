@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -215,6 +216,39 @@ def demo_run_copy(tmp_path, demo_run) -> Path:
     work = Path(shutil.copytree(demo_run, tmp_path / "run", symlinks=True))
     shutil.rmtree(work / "results/train/local")
     return work
+
+
+def built_from_memory(tmp_path_factory, through_memory: Path, name: str, base_yaml: str,
+                      target: str) -> Path:
+    """A clone of the memory solve's workflow (through_memory) in which `target` was built with
+    `base_yaml` as base.yaml."""
+    work = tmp_path_factory.mktemp(name) / "wf"
+    shutil.copytree(through_memory, work, symlinks=True)
+    (work / "base.yaml").write_text(base_yaml)
+    res = snakemake(work, target, "--configfile", "base.yaml")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    return work
+
+
+PLANNED_HEADER = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
+
+
+def planned(work: Path, target: str, configfile: str, edit: str | None) -> set[str]:
+    """The jobs a dry run of `target` plans with `configfile` and then `edit` (YAML, as
+    edit.yaml), each as its rule, with its `multiple` or `step` wildcard in brackets."""
+    extra = []
+    if edit:
+        (work / "edit.yaml").write_text(edit + "\n")
+        extra = ["edit.yaml"]
+    res = snakemake(work, target, "--dry-run", "--configfile", configfile, *extra)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    lines, found = (res.stdout + res.stderr).splitlines(), set()
+    for i, line in enumerate(lines):
+        if m := PLANNED_HEADER.match(line):
+            wc = next((x for x in lines[i + 1:i + 12] if "wildcards:" in x), "")
+            which = re.search(r"(?:multiple|step)=([\d.e+-]+)", wc)
+            found.add(m.group(1) + (f"[{which.group(1)}]" if which else ""))
+    return found
 
 
 def one_sentence(text: str) -> bool:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import shutil
 
 import pytest
 from PIL import Image
 
-from conftest import FAST_YAML, one_sentence, snakemake
+from conftest import FAST_YAML, built_from_memory, one_sentence, planned
 from imgclf import (artifacts, lr_grid, lr_validation, lr_validation_edge, recipes, settings,
                     slices)
 from imgclf.train import learning_rate as train_learning_rate
@@ -297,12 +295,7 @@ VALIDATE = "results/lr/local/validate"
 @pytest.fixture(scope="module")
 def validated(tmp_path_factory, through_memory):
     """A clone of the memory solve's workflow in which training on the validated LR ran."""
-    work = tmp_path_factory.mktemp("lr_validation") / "wf"
-    shutil.copytree(through_memory, work, symlinks=True)
-    (work / "base.yaml").write_text(BASE_YAML)
-    res = snakemake(work, TARGET, "--configfile", "base.yaml")
-    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
-    return work
+    return built_from_memory(tmp_path_factory, through_memory, "lr_validation", BASE_YAML, TARGET)
 
 
 def ranked(losses: dict) -> list[float]:
@@ -367,27 +360,6 @@ def test_stage_follows_a_best_at_the_grids_edge(validated):
     assert v["reason"].endswith(e["sentence"])
 
 
-HEADER = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
-
-
-def planned(work, edit: str | None) -> set[str]:
-    """Rules (with the multiple or edge step) a dry run of TARGET plans after `edit`."""
-    extra = []
-    if edit:
-        (work / "edit.yaml").write_text(edit + "\n")
-        extra = ["edit.yaml"]
-    res = snakemake(work, TARGET, "--dry-run", "--configfile", "base.yaml", *extra)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    lines, found = (res.stdout + res.stderr).splitlines(), set()
-    for i, line in enumerate(lines):
-        m = HEADER.match(line)
-        if m:
-            wc = next((x for x in lines[i + 1:i + 12] if "wildcards:" in x), "")
-            which = re.search(r"(?:multiple|step)=([\d.e+-]+)", wc)
-            found.add(m.group(1) + (f"[{which.group(1)}]" if which else ""))
-    return found
-
-
 AGGREGATE = {"summarize_lr_validation", "train_model"}
 # the first edge step decides again from a changed grid (a checkpoint: what it adds is planned
 # once it has run)
@@ -413,4 +385,4 @@ def test_validation_edits_plan_exactly_their_dependents(validated, case):
     """With `train.lr_source: validation`; without it, tests/test_reproducibility.py shows that
     a grid edit plans nothing of `all`."""
     edit, expected = VALIDATION_CASES[case]
-    assert planned(validated, edit) == expected
+    assert planned(validated, TARGET, "base.yaml", edit) == expected

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from imgclf import forecast as forecasting
 from imgclf import gradient_noise, noise_scale
 
 
@@ -64,25 +63,18 @@ def test_pure_noise_gives_no_noise_scale_or_a_huge_one_and_says_what_to_raise():
                  for seed in range(20)]
     finite = [b for b in estimates if b is not None]
     assert 0 < len(finite) < len(estimates) and min(finite) > 5 * 32, estimates
-    adv = noise_scale.advice(1024, 8, None)
+    adv = noise_scale.advice(1024, None, None, "p4")
     assert "noise_scale.steps" in adv["sentence"] and adv["options"] == []
+    assert "snakemake results/batch/p4.json" in adv["sentence"]
 
 
-def test_the_paper_model_gives_the_figures_the_report_words():
-    """Well below the noise scale twice the devices nearly halve the time; well above it half
-    the devices cost little time and save much."""
-    below = noise_scale.advice(1024, 8, 3400, stderr=600)
-    assert below["sentence"] == ("global batch 1,024 is 0.3x the measured noise scale "
-                                 "(3,400 +- 600): by the paper's model, twice the devices would "
-                                 "cut the time to about 0.62x at 1.23x the cost")
-    above = noise_scale.advice(8192, 8, 1365)
-    assert "half the devices would take about 1.14x the time at about 0.57x the cost" \
-        in above["sentence"]
-    near = noise_scale.advice(1024, 8, 1024)
-    assert "balance" in near["sentence"]
-    # the count whose batch is nearest the noise scale is among the options
-    assert {o["devices"] for o in below["options"]} == {16, 4, 32}
-    assert noise_scale.time_ratio(1000, 2000, 1000) == pytest.approx(1.5 / 2)
+def test_the_paper_model_gives_the_figures_the_batch_curve_words():
+    """Steps at another batch over those at the plan's, by S = S_min (1 + B/B'): what the
+    measured curve's options (imgclf.batch_curve) and the noise plot's model line use."""
+    assert gradient_noise.time_ratio(1000, 2000, 1000) == pytest.approx(1.5 / 2)
+    twice = gradient_noise.option(1024, 8, 16, 3400)
+    assert (twice["global_batch"], twice["time"], twice["cost"]) == (2048, 0.616, 1.231)
+    assert gradient_noise.nearest_devices(1024, 8, 3400) == 32
 
 
 def test_auto_steps_are_a_share_of_the_training_with_a_floor():
@@ -115,19 +107,6 @@ def test_auto_steps_are_a_share_of_the_training_with_a_floor():
     by_hand = noise_scale.steps_for({**cfg, "steps": 3}, run, plan,
                                     {"epochs": None, "limit_train_batches": None}, 0.02)
     assert (by_hand["units"], by_hand["set_by"]) == (3, "noise_scale.steps")
-
-
-def test_the_forecast_prices_the_other_device_counts():
-    adv = noise_scale.advice(256, 4, 1024)
-    forecast = {"forecast_for_entry": True, "total_s": 7200, "device_hours": 8.0,
-                "price_per_hour": 16.0, "world_size": 4, "nodes": 1}
-    priced = forecasting.with_forecast(adv, forecast)
-    twice = next(o for o in priced["options"] if o["devices"] == 8)
-    assert twice["hours"] == pytest.approx(2 * twice["time"])
-    assert twice["device_hours"] == pytest.approx(8.0 * twice["cost"], rel=1e-3)
-    assert twice["cost_money"] == pytest.approx(twice["device_hours"] * 4.0, rel=1e-3)
-    # no forecast for the entry: the model's ratios only
-    assert forecasting.with_forecast(adv, {"forecast_for_entry": False}) == adv
 
 
 # --- the DDP hook on 2 gloo ranks ---------------------------------------------------------------

@@ -31,15 +31,15 @@ SHAPES_YAML = CLUSTER_YAML.split("\nloader:")[0] + """
 GPU_ENTRIES = {"a10g1": ("a10g", 1), "g5": ("a10g", 4), "p4x2": ("a100", 8)}
 CPU_ENTRIES = ("ci1x1", "ci2x1")
 # the jobs that run on the entry's GPUs: one GPU each, or the training's shape
-ONE_GPU = {"lr_find", "noise_scale", "solve_memory", "evaluate"}
-TRAINING = {"train_model", "validate_lr_run"}
+ONE_GPU = {"lr_find", "noise_scale", "solve_memory", "evaluate", "batch_lr_find"}
+TRAINING = {"train_model", "validate_lr_run", "batch_run"}
 GPU_REQUEST = re.compile(r" --gpus=| --gres=gpu")
 
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """{entry: (every job it plans through evaluation and the LR validation, as (rule, sbatch
-    line))}, and the folder the lines run in."""
+    """{entry: (every job it plans through evaluation, the LR validation and the batch curve,
+    as (rule, sbatch line))}, and the folder the lines run in."""
     work = copy_workflow(tmp_path_factory.mktemp("shapes") / "wf")
     (work / "shapes.yaml").write_text(SHAPES_YAML)
     forecast = work / "forecast.json"  # the training's time: 10 h by a forecast
@@ -50,7 +50,7 @@ def planned(tmp_path_factory):
         hw = settings.cluster(config, name)
         lines[name] = []
         for job in jobs_under_slurm(work, name, "all", f"results/lr/{name}_validation.json",
-                                    configfiles=["shapes.yaml"]):
+                                    f"results/batch/{name}.json", configfiles=["shapes.yaml"]):
             res = job["resources"]
             if job["rule"] == "train_model":  # computed from its forecast, not yet made
                 res.update(runtime=slurm_jobs.train_runtime(str(forecast), hw),
@@ -78,7 +78,8 @@ def test_every_job_asks_for_the_entrys_gpus_or_none(planned):
                 assert not GPU_REQUEST.search(line), (name, line)
     for name in CPU_ENTRIES:
         assert not [line for _, line in lines[name] if GPU_REQUEST.search(line)], name
-        assert {"lr_find", "noise_scale", *TRAINING} <= {rule for rule, _ in lines[name]}
+        assert {"lr_find", "noise_scale", "batch_lr_find", *TRAINING} <= \
+            {rule for rule, _ in lines[name]}
 
 
 def test_the_cluster_accepts_every_job_of_each_shape(cluster, planned):

@@ -32,7 +32,7 @@ NEUTRAL = {
     "cli": "the command line's parsing and dispatch (the shell rules' entry point)",
 }
 # ... and per rule: a training's curves are redrawn from its metrics.csv, never retrained for
-NEUTRAL_FOR = {"train_model": {"plots"}, "validate_lr_run": {"plots"}}
+NEUTRAL_FOR = {"train_model": {"plots"}, "validate_lr_run": {"plots"}, "batch_run": {"plots"}}
 # a shell rule's command: the `imgclf` sub-command, and the module it runs
 SUBCOMMANDS = {"train": "train", "evaluate": "evaluate"}
 
@@ -122,9 +122,10 @@ def rule_entries() -> dict[str, set[str]]:
 @pytest.fixture(scope="module")
 def listed_code(tmp_path_factory) -> dict[str, set[str]]:
     """{rule: the units its code() inputs name}, as Snakemake plans every job of the demo
-    through evaluation, the report tables and the LR validation."""
+    through evaluation, the report tables, the LR validation and the batch curve."""
     work = copy_workflow(tmp_path_factory.mktemp("structure") / "wf")
-    res = snakemake(work, "-n", "--forceall", "all", "results/lr/local_validation.json")
+    res = snakemake(work, "-n", "--forceall", "all", "results/lr/local_validation.json",
+                    "results/batch/local.json")
     assert res.returncode == 0, res.stderr[-3000:]
     listed, rule = {}, None
     for line in res.stdout.splitlines():

@@ -3,8 +3,8 @@ stages before it and never imports the stage that wrote them.
 
 A missing, unreadable or incomplete file is one sentence naming the command that rebuilds it
 (UserError): the memory solve's `Plan`, the LR summary (`LRSummary`), the LR-finder runs, the
-loader benchmark, the noise scale, the forecast, the LR validation (its runs, its edge steps, its
-best LR) and the hydration check's hand-off. Standard library only (no torch), so that Snakemake
+loader benchmark, the noise scale, the batch curve, the forecast, the LR validation (its runs,
+its edge steps, its best LR) and the hydration check's hand-off. Standard library only (no torch), so that Snakemake
 may read them while it plans."""
 
 from __future__ import annotations
@@ -154,6 +154,14 @@ def noise_scale(path) -> dict:
     how = f"run `snakemake {path}`"
     d = read(path, "Noise scale", how)
     require(d, ("b_simple", "stderr", "advice"), "Noise scale", path, how)
+    return d
+
+
+def batch_curve(path) -> dict:
+    """The measured batch curve (results/batch/{cluster}.json): its fit and advice."""
+    how = f"run `snakemake {path}`"
+    d = read(path, "Batch curve", how)
+    require(d, ("fit", "advice", "largest_paying_batch"), "Batch curve", path, how)
     return d
 
 

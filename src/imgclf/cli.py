@@ -120,7 +120,8 @@ def cmd_train(args):
     default_lr = slices.lr_file(settings.section(params, "train")["lr_source"], name)
     summary = train.run(params, args.memory or f"results/memory/{name}.json",
                         args.lr_file or default_lr,
-                        args.out_dir or f"results/train/{name}", args.forecast)
+                        args.out_dir or f"results/train/{name}", args.forecast,
+                        args.target_file)
     if summary is not None:  # global rank 0
         print(json.dumps({"best_val_acc1": summary["best"]["val_acc1"],
                           "best_epoch": summary["best"]["epoch"],
@@ -293,8 +294,13 @@ def _ddp_commands(sub) -> None:
     p.add_argument("--lr-file", default=None,
                    help="the file the LR comes from (`train.lr_source`): the LR summary (default "
                         "results/lr/CLUSTER_summary.json), or with `validation` the LR validation "
-                        "(default results/lr/CLUSTER_validation.json)")
+                        "(default results/lr/CLUSTER_validation.json); a batch-curve run's "
+                        "own range test")
     p.add_argument("--out-dir", default=None, help="default results/train/CLUSTER")
+    p.add_argument("--target-file", default=None,
+                   help="a batch-curve run's target: the train summary of the run at the "
+                        "plan's batch, whose validation loss (the median over the last "
+                        "quarter of its budget) it trains to")
     p.add_argument("--forecast", default=None,
                    help="forecast JSON (results/forecast/CLUSTER.json): log the pace against it "
                         "and record forecast against actual")

@@ -17,7 +17,6 @@ assumed)."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import statistics
@@ -342,7 +341,7 @@ def stages_before_training(artifacts_by_stage: dict, own_seconds: float,
 
 
 def run(runs, lr_path, hydration_path, loader_path, memory_path, noise_path, train_index,
-        val_index, hw, model, train, measurement_share, out) -> dict:
+        val_index, hw, model, train, measurement_share, out, batch_path=None) -> dict:
     """results/forecast/{cluster}.json, with its sentence (what training and the report say)
     and what the stages before training cost against it."""
     plan = Plan.read(memory_path, hw["name"])
@@ -350,12 +349,20 @@ def run(runs, lr_path, hydration_path, loader_path, memory_path, noise_path, tra
                     plan, hw, model, train, train_index, val_index, measurement_share)
     noise = artifacts.noise_scale(noise_path)
     forecast["batch_vs_noise"] = {"b_simple": noise["b_simple"], "stderr": noise["stderr"],
-                                  **with_forecast(noise["advice"], forecast)}
+                                  **noise["advice"]}
+    if batch_path:  # `batch_curve.measure`: time and cost of other device counts, measured
+        curve = artifacts.batch_curve(batch_path)
+        forecast["batch_curve"] = {"path": str(batch_path), "b_crit": curve["fit"]["b_crit"],
+                                   "interval": curve["fit"]["interval"],
+                                   "largest_paying_batch": curve["largest_paying_batch"],
+                                   **with_forecast(curve["advice"], forecast)}
     forecast["sentence"] = sentence(forecast)
     log.info("%s", forecast["sentence"])
     if forecast.get("step_timing", {}).get("unlike_training"):
         log.warning("The forecast's step times: %s", forecast["step_timing"]["unlike_training"])
-    log.info("%s", forecast["batch_vs_noise"]["sentence"])
+    for key in ("batch_curve", "batch_vs_noise"):
+        if key in forecast:
+            log.info("%s", forecast[key]["sentence"])
     forecast["before_training"] = stages_before_training(
         {"hydration check": [hydration_path], "loader benchmark": [loader_path],
          "memory solve": [memory_path], "LR runs": list(runs), "LR summary": [lr_path],
@@ -364,4 +371,4 @@ def run(runs, lr_path, hydration_path, loader_path, memory_path, noise_path, tra
     return write_artifact(out, forecast, config_slice={"hw": hw, "model": model, "train": train,
                                                         "measurement_share": measurement_share},
                           inputs=[*runs, lr_path, loader_path, memory_path, noise_path,
-                                  train_index, val_index])
+                                  train_index, val_index, *([batch_path] if batch_path else [])])

@@ -15,15 +15,42 @@ one (the global batch). Before training, one device measures the same with accum
 micro-batches' gradients and their mean (`measure`, a stage of its own). During training a DDP
 communication hook takes the norms as the buckets pass (`NormHook`).
 
-This module is the estimator, shared by the measurement before training (the stage
+This module is the estimator and the model, shared by the measurement before training (the stage
 imgclf.noise_scale, which also says what the model makes of the planned batch) and training's
 log of it (train.callbacks.NoiseScaleLog)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 BOOTSTRAP_RESAMPLES = 1000
+
+
+# --- the paper's model, for any critical batch ---------------------------------------------------
+
+def time_ratio(batch: float, new_batch: float, b_noise: float) -> float:
+    """Steps (time, at a fixed per-device batch) to the same loss at `new_batch` over those
+    at `batch`: (1 + B_noise/B') / (1 + B_noise/B). `b_noise`: the critical batch, measured
+    (imgclf.batch_curve) or taken as B_simple."""
+    return (1 + b_noise / new_batch) / (1 + b_noise / batch)
+
+
+def option(global_batch: int, devices: int, new_devices: float, b_noise: float) -> dict:
+    """Training on `new_devices` at the same per-device batch: time and cost (device-hours)
+    against the plan."""
+    batch = global_batch * new_devices / devices
+    t = time_ratio(global_batch, batch, b_noise)
+    return {"devices": new_devices, "global_batch": round(batch), "time": round(t, 3),
+            "cost": round(t * new_devices / devices, 3)}
+
+
+def nearest_devices(global_batch: int, devices: int, b_noise: float) -> int:
+    """The device count, the plan's times a power of 2 (at least 1), whose global batch is
+    nearest `b_noise` in log terms (a batch: the critical one, or the largest that pays)."""
+    power = round(math.log2(b_noise / global_batch))
+    return max(1, round(devices * 2.0 ** power))
 
 
 # --- the estimator ---------------------------------------------------------------------------

@@ -103,11 +103,12 @@ def _eval_seconds(net, loader, device, amp: dict, steps: int = EVAL_STEPS) -> li
 
 def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
          batch_size: int | None = None, threads: int | None = None,
-         cudnn_benchmark: bool = True) -> dict:
+         cudnn_benchmark: bool = True, accumulation: int | None = None) -> dict:
     """One LR range test with the recipe's model, loss, optimizer and batch mixing on one device
     of hardware entry `hw`; returns the loss curve and where it diverged, and its steps' times
     with training's cuDNN autotuning (`cudnn_benchmark`: the first steps at the batch's shape
-    autotune, which the forecast's warm-up leaves out)."""
+    autotune, which the forecast's warm-up leaves out). `accumulation` (batches per step)
+    replaces the plan's: the batch curve's tests at a larger global batch."""
     seed = cfg["seed"] + run
     r = one_device_run(source, model, hw, plan, batch_size, seed, f"LR-finder run {run}",
                        threads, cudnn_benchmark)
@@ -115,7 +116,8 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
     amp = _amp(r)
     finder = _finder(net, recipes.build_optimizer(net, recipe, lr=cfg["start_lr"]),
                      r.criterion, device, amp)
-    accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1
+    if accumulation is None:
+        accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1
     start, waits = time.perf_counter(), []
     finder.range_test(_batches(loader, r.mixer, device, waits), start_lr=cfg["start_lr"],
                       end_lr=cfg["end_lr"],

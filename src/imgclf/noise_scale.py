@@ -14,7 +14,7 @@ import numpy as np
 
 from imgclf import budget, lr_scaling, one_device, plots, recipes
 from imgclf.artifacts import LRSummary, Plan
-from imgclf.gradient_noise import estimate, unbiased
+from imgclf.gradient_noise import estimate, time_ratio, unbiased
 from imgclf.progress import progress
 from imgclf.provenance import write_artifact
 
@@ -34,60 +34,25 @@ LIMITS = ("B_simple equals the paper's B_noise, which predicts the critical batc
           "buying devices by it.")
 
 
-# --- the paper's model for a hardware entry ----------------------------------------------------
+# --- what the estimate says of the plan --------------------------------------------------------
 
-def time_ratio(batch: float, new_batch: float, b_noise: float) -> float:
-    """Steps (time, at a fixed per-device batch) to the same loss at `new_batch` over those
-    at `batch`: (1 + B_noise/B') / (1 + B_noise/B)."""
-    return (1 + b_noise / new_batch) / (1 + b_noise / batch)
-
-
-def option(global_batch: int, devices: int, new_devices: float, b_noise: float) -> dict:
-    """Training on `new_devices` at the same per-device batch: time and cost (device-hours)
-    against the plan."""
-    batch = global_batch * new_devices / devices
-    t = time_ratio(global_batch, batch, b_noise)
-    return {"devices": new_devices, "global_batch": round(batch), "time": round(t, 3),
-            "cost": round(t * new_devices / devices, 3)}
-
-
-def nearest_devices(global_batch: int, devices: int, b_noise: float) -> int:
-    """The device count, the plan's times a power of 2 (at least 1), whose global batch is
-    nearest the noise scale in log terms."""
-    power = round(math.log2(b_noise / global_batch))
-    return max(1, round(devices * 2.0 ** power))
-
-
-def advice(global_batch: int, devices: int, b_noise: float | None,
-           stderr: float | None = None) -> dict:
-    """The planned global batch against the noise scale, and what the model says twice and
-    half the devices, and the count nearest the noise scale, would take in time and cost."""
+def advice(global_batch: int, b_noise: float | None, stderr: float | None,
+           cluster: str) -> dict:
+    """The planned global batch against the noise scale, stated as what it is: an unvalidated
+    upper estimate of the batch that pays (LIMITS), with the command that measures that batch
+    (imgclf.batch_curve). No time or cost: on the project's benchmarks the model's figures were
+    far from the measured ones."""
+    measure = f"measure the batch that pays with `snakemake results/batch/{cluster}.json`"
     if b_noise is None or b_noise <= 0:
         return {"ratio": None, "options": [], "sentence": (
             f"global batch {global_batch:,}: no noise scale (the gradient's mean was below its "
             f"noise at these batch sizes); raise `noise_scale.steps` or "
-            f"`noise_scale.accumulate`")}
-    ratio = global_batch / b_noise
-    twice = option(global_batch, devices, 2 * devices, b_noise)
-    half = option(global_batch, devices, devices // 2, b_noise) if devices % 2 == 0 else None
-    near = nearest_devices(global_batch, devices, b_noise)
-    options = [o for o in (twice, half) if o]
-    if near not in (devices, 2 * devices, devices // 2):
-        options.append(option(global_batch, devices, near, b_noise))
+            f"`noise_scale.accumulate`, or {measure}")}
     pm = f" +- {stderr:,.0f}" if stderr is not None else ""
-    head = f"global batch {global_batch:,} is {ratio:.2g}x the measured noise scale " \
-           f"({b_noise:,.0f}{pm})"
-    if ratio > 2 and half:
-        tail = f"by the paper's model, half the devices would take about {half['time']:.2f}x " \
-               f"the time at about {half['cost']:.2f}x the cost"
-    elif ratio < 0.5 or not half:
-        tail = f"by the paper's model, twice the devices would cut the time to about " \
-               f"{twice['time']:.2f}x at {twice['cost']:.2f}x the cost"
-    else:
-        tail = (f"near the paper's balance of time and cost (B = B_noise: twice the fewest "
-                f"steps and twice the fewest images); twice the devices would take "
-                f"{twice['time']:.2f}x the time at {twice['cost']:.2f}x the cost")
-    return {"ratio": round(ratio, 4), "options": options, "sentence": f"{head}: {tail}"}
+    return {"ratio": round(global_batch / b_noise, 4), "options": [], "sentence": (
+        f"global batch {global_batch:,} is {global_batch / b_noise:.2g}x the gradient noise "
+        f"scale ({b_noise:,.0f}{pm}), an unvalidated upper estimate of the batch past which "
+        f"more devices stop paying, not a forecast of time or cost; {measure}")}
 
 
 # --- the measurement ---------------------------------------------------------------------------
@@ -223,8 +188,8 @@ def run(source, model, hw, cfg, train, measurement_share, memory_path, lr_path, 
                      measurement_share, threads)
     result.update({"cluster": hw["name"], "global_batch": plan.global_batch,
                    "devices": plan.world_size, "model": MODEL, "limits": LIMITS,
-                   "advice": advice(plan.global_batch, plan.world_size, result["b_simple"],
-                                    result["stderr"])})
+                   "advice": advice(plan.global_batch, result["b_simple"], result["stderr"],
+                                    hw["name"])})
     log.info("B_simple %s over %d steps; %s", _fmt(result["b_simple"]), result["steps"],
              result["advice"]["sentence"])
     plots.noise_scale(result, plot_series(result), plot)

@@ -175,11 +175,7 @@ def noise_tables(d: dict) -> list[tuple]:
         ("model", d["model"]),
         ("limits", d["limits"]),
     ]
-    options = [(o["devices"], f"{o['global_batch']:,}", f"{o['time']:.2f}x", f"{o['cost']:.2f}x")
-               for o in adv["options"]]
-    return [("Noise scale", ("quantity", "value"), rows),
-            ("Other device counts, same per-device batch (the model's figures)",
-             ("devices", "global batch", "time", "cost"), options)]
+    return [("Noise scale", ("quantity", "value"), rows)]
 
 
 def _steps_budget(b: dict | None) -> str:
@@ -218,17 +214,19 @@ def forecast_tables(d: dict) -> list[tuple]:
     if d.get("loader_note"):
         rows.append(("loader benchmark", d["loader_note"]))
     tables = [("Forecast", ("quantity", "value"), rows)]
-    noise = d.get("batch_vs_noise")
+    noise, curve = d.get("batch_vs_noise"), d.get("batch_curve")
     if noise:
         rows.append(("batch against the noise scale", noise["sentence"]))
+    if curve:
+        rows.append(("batch against the measured curve", curve["sentence"]))
         tables.append((
-            "Other device counts, same per-device batch, to the same loss (McCandlish et al.)",
+            "Other device counts, same per-device batch, to the same loss (the measured curve)",
             ("devices", "global batch", "time", "hours", "device-hours", "cost"),
             [(o["devices"], f"{o['global_batch']:,}", f"{o['time']:.2f}x",
               _num(o.get("hours")), _num(o.get("device_hours")),
               f"{o['cost']:.2f}x" + ("" if o.get("cost_money") is None
                                      else f" ({o['cost_money']:.2f})"))
-             for o in noise["options"]]))
+             for o in curve["options"]]))
     before = d.get("before_training")
     if before:
         rows.append(("stages before training", before["sentence"]))

@@ -257,3 +257,48 @@ def lr_validation_steps_params(config: dict, cluster_name: str) -> dict:
     """validate_lr_extend_steps: how many steps the search beyond the grid's edge may take (the
     walk's, never a run's or an edge step's)."""
     return canonical({"extend_steps": config["validate_lr"]["extend_steps"]})
+
+
+# --- the batch curve (imgclf.batch_curve) ---------------------------------------------------------
+
+BATCH_RUN_KEYS = ("fraction", "min_steps", "evaluations")
+
+
+def batch_lr_params(config: dict, cluster_name: str, multiple) -> dict:
+    """batch_lr_find: one range test as lr_find runs it and the summary reads it (its keys but
+    the run count, the spread checks and the scaling, which a test at its own batch needs not),
+    at `multiple` x the plan's batch, seeded by `batch_curve.seed`."""
+    keys = [k for k in RANGE_TEST_KEYS + SUMMARY_KEYS
+            if k not in ("accumulate", "scaling", "spread_limit", "on_spread")]
+    return canonical({
+        "source": index_files(cluster_name)["train"],
+        "model": config["model"],
+        "hw": device_entry(config, cluster_name),
+        "lr_cfg": {**{k: config["lr_finder"][k] for k in keys},
+                   "seed": config["batch_curve"]["seed"]},
+        "multiple": float(multiple),
+        "cudnn_benchmark": config["train"]["cudnn_benchmark"],
+    })
+
+
+def batch_run_params(config: dict, cluster_name: str, multiple) -> dict:
+    """batch_run: what training gets (train_params), seeded by `batch_curve.seed`, with the
+    run's multiple and budget keys; `cap` only for the batches that stop at the target, so
+    that editing it never reruns the plan batch's run, which sets the target."""
+    b = config["batch_curve"]
+    params = train_params(config, cluster_name)
+    params["train"] = {**params["train"], "lr_source": "lr_finder", "seed": b["seed"],
+                       "save_top_k": 1}
+    cfg = {k: b[k] for k in BATCH_RUN_KEYS}
+    if float(multiple) != 1.0:
+        cfg["cap"] = b["cap"]
+    params["batch_curve"] = {"multiple": float(multiple), "cfg": cfg}
+    return canonical(params)
+
+
+def batch_curve_params(config: dict, cluster_name: str) -> dict:
+    """summarize_batch: the batches it expects and the cut per doubling that says which pay."""
+    b = config["batch_curve"]
+    return canonical({"cfg": {"multiples": lr_grid.grid(b["multiples"]),
+                              "min_cut": b["min_cut"]},
+                      "cluster": cluster_name})

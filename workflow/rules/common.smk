@@ -64,6 +64,17 @@ def data_input(wildcards):
 # What every stage that reads the data set's images runs: a rule lists these and the modules of
 # its own (tests/test_structure.py derives each rule's list from its stage's imports)
 READS_IMAGES = ("data", "images", "index", "census", "recipes", "artifacts", "hardware")
+# What every job that runs `imgclf train` runs: training, an LR validation run, a batch-curve run
+TRAINS = (
+    "train",
+    *READS_IMAGES,
+    "devices",
+    "lr_grid",
+    "lr_scaling",
+    "gradient_noise",
+    "batch_grid",
+    "budget",
+)
 
 
 def code(*modules):
@@ -103,7 +114,9 @@ def report_table_source(wildcards):
 
 
 def all_targets(cluster):
+    batch = [f"results/batch/{cluster}.json"] if config["batch_curve"]["measure"] else []
     return [
+        *batch,
         f"results/hydration/{cluster}.json",
         f"results/loader/{cluster}.json",
         f"results/memory/{cluster}.json",
@@ -157,3 +170,26 @@ def lr_runs(cluster):
     return [
         f"results/lr/{cluster}/run{i}.json" for i in range(config["lr_finder"]["runs"])
     ]
+
+
+def batch_files(cluster, name):
+    """File `name` of each batch-curve run (`batch_curve.multiples`, 1 among them)."""
+    return [
+        f"results/batch/{cluster}/x{lr_grid.multiple_name(m)}/{name}"
+        for m in lr_grid.grid(config["batch_curve"]["multiples"])
+    ]
+
+
+def batch_target(wildcards):
+    """The plan batch's run, whose final validation loss the other batches train to."""
+    if float(wildcards.multiple) == 1.0:
+        return []
+    return [f"results/batch/{wildcards.cluster}/x1/{name}"
+            for name in ("train_summary.json", "metrics.csv")]
+
+
+def batch_curve_input(wildcards):
+    """The measured batch curve, for the forecast's advice, with `batch_curve.measure`."""
+    if not config["batch_curve"]["measure"]:
+        return []
+    return [f"results/batch/{wildcards.cluster}.json"]

@@ -13,6 +13,8 @@ rule forecast:
         loader="results/loader/{cluster}.json",
         memory="results/memory/{cluster}.json",
         noise="results/noise/{cluster}.json",
+        # with `batch_curve.measure`: the measured curve prices other device counts
+        batch=batch_curve_input,
         train_index=train_index,
         val_index=val_index,
         code=code(

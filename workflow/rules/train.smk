@@ -36,14 +36,7 @@ rule train_model:
         forecast=ancient("results/forecast/{cluster}.json"),
         train_index=train_index,
         val_index=val_index,
-        code=code(
-            "train",
-            *READS_IMAGES,
-            "devices",
-            "lr_grid",
-            "lr_scaling",
-            "gradient_noise",
-        ),
+        code=code(*TRAINS),
     output:
         best="results/train/{cluster}/best.ckpt",
         metrics="results/train/{cluster}/metrics.csv",

@@ -19,14 +19,7 @@ rule validate_lr_run:
         lr="results/lr/{cluster}_summary.json",
         train_index=train_index,
         val_index=val_index,
-        code=code(
-            "train",
-            *READS_IMAGES,
-            "devices",
-            "lr_grid",
-            "lr_scaling",
-            "gradient_noise",
-        ),
+        code=code(*TRAINS),
     output:
         summary="results/lr/{cluster}/validate/x{multiple}/train_summary.json",
         metrics="results/lr/{cluster}/validate/x{multiple}/metrics.csv",

@@ -44,12 +44,13 @@ CKPT_NAME = "epoch={epoch}-val_acc1={val/acc1:.4f}"
 
 
 def run(params: dict, memory_path, lr_file, out_dir,
-        forecast_path=None) -> dict | None:
+        forecast_path=None, target_file=None) -> dict | None:
     """Train on every rank; return the summary on global rank 0, None elsewhere. With the
     forecast of results/forecast/{cluster}.json (`forecast_path`), it logs the bill before the
-    first step, its pace in the progress lines, and forecast against actual in the summary."""
+    first step, its pace in the progress lines, and forecast against actual in the summary.
+    `target_file`: a batch-curve run's target (the plan batch's summary)."""
     t_start = time.perf_counter()
-    job = prepare(params, memory_path, lr_file, out_dir)
+    job = prepare(params, memory_path, lr_file, out_dir, target_file)
     fresh = job.resume["path"] is None
     expected = artifacts.forecast(forecast_path) if forecast_path else None
     if rank_zero_only.rank == 0:
@@ -64,7 +65,9 @@ def run(params: dict, memory_path, lr_file, out_dir,
                              job.lr["value"], job.recipe.warmup_epochs,
                              channels_last=bool(model_cfg["channels_last"]),
                              compile=bool(job.t["compile"]), train_digest=job.digest,
-                             warmup_fraction=job.warmup_fraction)
+                             warmup_fraction=job.warmup_fraction,
+                             fixed_warmup_steps=(job.batch_run or {}).get("warmup_steps"),
+                             decay=job.decays)
     datamodule = ImageData(train_set, val_set, job.recipe.name, job.plan.per_device_batch,
                            job.plan.num_workers, job.plan.prefetch_factor, pin_memory=job.gpu,
                            seed=job.t["seed"])
@@ -84,6 +87,8 @@ def run(params: dict, memory_path, lr_file, out_dir,
     callbacks = [throughput, recorder, checkpoint, *bars, *([ema] if ema else []),
                  *([noise] if noise else []),
                  *([ValidateAtStepBudget(job.max_steps)] if job.max_steps else []),
+                 *([at_target(job.batch_run["target"])]
+                   if job.batch_run and job.batch_run["target"] is not None else []),
                  *([RequeueAtTimeLimit(job.out_dir / "checkpoints")]
                    if slurm_task.task_info() else [])]
     trainer = build_trainer(job, loggers, callbacks, show_bar)
@@ -104,6 +109,15 @@ def run(params: dict, memory_path, lr_file, out_dir,
                         expected, noise)
 
 
+def at_target(target: float):
+    """A batch-curve run stops at the first validation below the target loss (or diverged);
+    never for lack of progress."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    return EarlyStopping(monitor="val/loss", mode="min", stopping_threshold=target,
+                         patience=10 ** 9, check_on_train_epoch_end=False, verbose=False)
+
+
 def announce(job, expected: dict | None) -> None:
     """Global rank 0's first lines: the resume decision, the LR, the forecast and what it says
     of the batch (a fresh start moves the previous training's logs aside first)."""
@@ -113,5 +127,6 @@ def announce(job, expected: dict | None) -> None:
     log.info("LR %.5g from %s (%s)", job.lr["value"], job.lr["source"], job.lr["detail"])
     if expected is not None:
         log.info("Forecast: %s", expected["sentence"])
-        if expected.get("batch_vs_noise"):
-            log.info("Batch: %s", expected["batch_vs_noise"]["sentence"])
+        for key in ("batch_curve", "batch_vs_noise"):
+            if expected.get(key):
+                log.info("Batch: %s", expected[key]["sentence"])

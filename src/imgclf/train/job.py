@@ -4,13 +4,13 @@ checked, and whether it resumes (train/resume.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from imgclf import devices, lr_grid, recipes, settings
+from imgclf import batch_grid, devices, index, lr_grid, recipes, settings
 from imgclf.artifacts import Plan
 from imgclf.errors import UserError
 from imgclf.train.learning_rate import resolve_lr
@@ -54,6 +54,13 @@ class Job:
     resume: dict
     max_steps: int | None = None  # an LR validation run's steps budget
     warmup_fraction: float | None = None  # an LR validation run's compressed warm-up
+    batch_run: dict | None = None  # a batch-curve run: its shape, budget and target
+
+    @property
+    def decays(self) -> bool:
+        """Whether the LR decays after warm-up: a batch-curve run holds it, so that its steps
+        to the target do not depend on how long it may train."""
+        return self.batch_run is None
 
     @property
     def validation(self) -> dict | None:
@@ -79,7 +86,7 @@ class Job:
             else f"ddp ({self.backend})"
 
 
-def prepare(params: dict, memory_path, lr_file, out_dir) -> Job:
+def prepare(params: dict, memory_path, lr_file, out_dir, target_file=None) -> Job:
     for key in ("data_root", "index", "model", "cluster"):
         if key not in params:
             raise UserError(f"The train params lack `{key}` (expected data_root, index, census, "
@@ -93,8 +100,15 @@ def prepare(params: dict, memory_path, lr_file, out_dir) -> Job:
         raise UserError(f"Memory solve {memory_path} plans {plan.world_size} devices but cluster "
                         f"{cluster['name']!r} has {world}: rerun `snakemake {memory_path}`.")
     recipe = recipes.get(model_cfg["recipe"])
-    lr = resolve_lr(t["lr_source"], lr_file, recipe, plan)
-    epochs, max_steps, warmup = recipe.planned_epochs(t["epochs"]), None, None
+    epochs, max_steps, warmup, batch_run = recipe.planned_epochs(t["epochs"]), None, None, None
+    if params.get("batch_curve"):
+        plan, lr, batch_run = batch_curve_run(params, t, plan, recipe, epochs, lr_file,
+                                              target_file)
+        params = {**params, "batch_curve": {**params["batch_curve"],
+                                            "target": batch_run["target"]}}
+        epochs, max_steps = batch_run["epochs"], batch_run["max_steps"]
+    else:
+        lr = resolve_lr(t["lr_source"], lr_file, recipe, plan)
     if params.get("validation"):  # a short run at a multiple of the LR, schedule compressed
         lr = lr_grid.run_lr(lr, params["validation"])
         warmup = lr_grid.warmup_fraction(recipe, epochs)
@@ -105,7 +119,23 @@ def prepare(params: dict, memory_path, lr_file, out_dir) -> Job:
                            collective_timeout(t))
     return Job(params=params, t=t, plan=plan, recipe=recipe, lr=lr, epochs=epochs,
                out_dir=Path(out_dir), digest=digest, resume=resume, max_steps=max_steps,
-               warmup_fraction=warmup)
+               warmup_fraction=warmup, batch_run=batch_run)
+
+
+def batch_curve_run(params: dict, t: dict, plan: Plan, recipe, epochs: int, lr_file,
+                    target_file) -> tuple[Plan, dict, dict]:
+    """A batch-curve run's plan (the plan's devices at the run's batch and accumulation), its
+    LR (its own range test's) and its shape, budget and target (batch_grid.run_record)."""
+    b = params["batch_curve"]
+    if float(b["multiple"]) != 1.0 and target_file is None:
+        raise UserError("A batch-curve run at another batch than the plan's needs the plan "
+                        "batch's summary as --target-file (the Snakemake rule passes it).")
+    train_images = sum(index.read(params["index"]["train"]).counts)
+    record = batch_grid.run_record(b, plan, recipe, epochs, train_images,
+                                   t["limit_train_batches"], target_file)
+    run_plan = replace(plan, per_device_batch=record["per_device_batch"],
+                       accumulate_grad_batches=record["accumulate_grad_batches"])
+    return run_plan, batch_grid.run_lr(lr_file, plan, record), record
 
 
 def collective_timeout(t: dict) -> timedelta:

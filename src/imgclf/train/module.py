@@ -30,23 +30,27 @@ def warmup_steps(warmup_epochs: float, steps_per_epoch: float, total_steps: int,
     return int(min(round(wanted), total_steps // 2))
 
 
-def lr_factor(step: int, *, total_steps: int, warmup_steps: int, start_factor: float) -> float:
+def lr_factor(step: int, *, total_steps: int, warmup_steps: int, start_factor: float,
+              decay: bool = True) -> float:
     """Multiplier of the peak LR at optimizer step `step`: linear from `start_factor` at step 0
     to 1 at step `warmup_steps` (the first step after warm-up is at the peak), then a cosine to
-    exactly 0 at the last step (total_steps - 1). No warm-up steps: the cosine starts at once."""
+    exactly 0 at the last step (total_steps - 1), or, without `decay`, the peak held. No
+    warm-up steps: the cosine starts at once."""
     if step < warmup_steps:
         return start_factor + (1 - start_factor) * step / warmup_steps
+    if not decay:
+        return 1.0
     span = max(total_steps - 1 - warmup_steps, 1)
     progress = min((step - warmup_steps) / span, 1.0)
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def lr_schedule(optimizer, *, total_steps: int, warmup_steps: int,
-                start_factor: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per optimizer step: linear warm-up, then cosine to zero (lr_factor)."""
+                start_factor: float, decay: bool = True) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per optimizer step: linear warm-up, then cosine to zero or held (lr_factor)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
         lr_factor, total_steps=total_steps, warmup_steps=warmup_steps,
-        start_factor=start_factor))
+        start_factor=start_factor, decay=decay))
 
 
 # --- model and data ------------------------------------------------------------------------------
@@ -59,7 +63,8 @@ class ImageClassifier(L.LightningModule):
 
     def __init__(self, arch: str, classes: list[str], recipe: str, lr: float,
                  warmup_epochs: float, channels_last: bool = False, compile: bool = False,
-                 train_digest: str = "", warmup_fraction: float | None = None):
+                 train_digest: str = "", warmup_fraction: float | None = None,
+                 fixed_warmup_steps: int | None = None, decay: bool = True):
         super().__init__()
         self.save_hyperparameters()
         self.recipe = recipes.get(recipe)
@@ -122,10 +127,13 @@ class ImageClassifier(L.LightningModule):
         opt = recipes.build_optimizer(self.model, self.recipe, self.hparams.lr)
         total = int(self.trainer.estimated_stepping_batches)
         per_epoch = total / max(1, self.trainer.max_epochs)
-        warm = warmup_steps(self.hparams.warmup_epochs, per_epoch, total,
-                            self.hparams.get("warmup_fraction"))
+        warm = self.hparams.get("fixed_warmup_steps")
+        if warm is None:
+            warm = warmup_steps(self.hparams.warmup_epochs, per_epoch, total,
+                                self.hparams.get("warmup_fraction"))
         sched = lr_schedule(opt, total_steps=total, warmup_steps=warm,
-                            start_factor=self.recipe.warmup_start_factor)
+                            start_factor=self.recipe.warmup_start_factor,
+                            decay=self.hparams.get("decay", True))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint):

@@ -183,6 +183,8 @@ def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
         "lr": job.lr,
         **({"validation": {**job.validation, "max_epochs": job.epochs,
                            "max_steps": job.max_steps}} if job.validation else {}),
+        **({"batch_curve": job.batch_run} if job.batch_run else {}),
+        "global_step": trainer.global_step,
         "model": job.params["model"],
         "recipe": job.recipe.as_dict(),
         "num_classes": len(datamodule.train_set.classes),
@@ -237,11 +239,15 @@ def run_shape(job: Job, trainer) -> dict:
 
 def schedule(job: Job, total_steps: int) -> dict:
     per_epoch = total_steps / job.epochs
-    warm = warmup_steps(job.recipe.warmup_epochs, per_epoch, total_steps, job.warmup_fraction)
+    warm = (job.batch_run or {}).get("warmup_steps")
+    if warm is None:
+        warm = warmup_steps(job.recipe.warmup_epochs, per_epoch, total_steps,
+                            job.warmup_fraction)
+    after_warmup = "cosine to 0" if job.decays else "held constant"
     return {
         "steps_per_epoch": max(1, total_steps // job.epochs),
         "total_steps": total_steps,
-        "schedule": {"kind": "linear warm-up, then cosine to 0, per optimizer step",
+        "schedule": {"kind": f"linear warm-up, then {after_warmup}, per optimizer step",
                      "warmup_epochs_recipe": job.recipe.warmup_epochs,
                      "warmup_steps": warm, "warmup_epochs": round(warm / per_epoch, 3),
                      "start_factor": job.recipe.warmup_start_factor},

@@ -1,0 +1,278 @@
+"""The batch curve: the runs' shapes and budgets, the fit and its interval, the largest batch that
+pays, what the user is told with and without the measured curve, and one real Snakemake run of
+the stage on the demo data (three batches, a few steps each) with the edits it replans."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from conftest import FAST_YAML, built_from_memory, one_sentence, planned, snakemake
+from imgclf import batch_curve, batch_grid, forecast as forecasting, noise_scale, settings
+from imgclf.artifacts import Plan
+from imgclf.errors import UserError
+
+
+def plan(batch=64, accumulate=1, devices=2, nodes=1) -> Plan:
+    return Plan(path="m.json", cluster="local", per_device_batch=batch,
+                accumulate_grad_batches=accumulate, devices_per_node=devices, nodes=nodes,
+                num_workers=0, prefetch_factor=None, decoder="pil")
+
+
+# --- the runs' shapes and budgets ----------------------------------------------------------------
+
+def test_a_larger_batch_accumulates_and_a_smaller_one_never_grows_a_device_batch():
+    """On 8 devices of 64 with accumulation 2 (global 1,024): 8x accumulates 16, 0.5x halves
+    the accumulation, 0.25x halves the per-device batch; nothing exceeds the memory solve's
+    per-device batch."""
+    p = plan(64, 2, 8)
+    got = {m: batch_grid.shape(p, m) for m in (0.25, 0.5, 1, 8)}
+    assert [(s["per_device_batch"], s["accumulate_grad_batches"], s["global_batch"])
+            for s in got.values()] == [(32, 1, 256), (64, 1, 512), (64, 2, 1024),
+                                       (64, 16, 8192)]
+    assert batch_grid.shape(p, 1.5)["accumulate_grad_batches"] == 3  # 2 x 1.5 is whole
+    with pytest.raises(UserError) as e:
+        batch_grid.shape(plan(64, 1, 8), 1.5)
+    assert "`batch_curve.multiples`" in str(e.value) and one_sentence(str(e.value))
+
+
+def test_every_batch_validates_at_the_same_images_and_stops_at_cap_times_the_plans():
+    """The plan's batch trains `fraction` of the planned steps, at least `min_steps`; another
+    batch at most `cap` times its images; each validates every 1/`evaluations` of them."""
+    p = plan(64, 1, 2)  # global 128
+    cfg = {"fraction": 0.05, "min_steps": 50, "cap": 4, "evaluations": 20}
+    own = batch_grid.run_budget(cfg, p, batch_grid.shape(p, 1), planned_steps=2000)
+    assert (own["base_steps"], own["max_steps"], own["stops_at_target"]) == (100, 100, False)
+    assert own["eval_every"] * 128 == 640 and own["share_of_training"] == 0.05
+    floor = batch_grid.run_budget(cfg, p, batch_grid.shape(p, 1), planned_steps=200)
+    assert floor["base_steps"] == 50  # 5 % of 200 is below the floor
+    big = batch_grid.run_budget(cfg, p, batch_grid.shape(p, 8), planned_steps=2000)
+    assert big["max_steps"] * 1024 == 4 * 100 * 128 and big["stops_at_target"]
+    assert big["eval_every"] == 1  # 640 images is less than one step of 1,024
+    small = batch_grid.run_budget(cfg, p, batch_grid.shape(p, 0.5), planned_steps=2000)
+    assert small["eval_every"] * 64 == 640 and small["max_steps"] == 4 * 100 * 2
+
+
+def test_a_run_steps_on_whole_accumulation_groups_and_validates_on_its_steps(tmp_path):
+    """The demo's 1,438 images on 2 ranks of 64 are 11 batches a rank: at 2x (accumulation 2)
+    an epoch is cut to 10 batches, 5 whole steps (Lightning would make a sixth of one batch at
+    the epoch's end), and the Trainer validates every `eval_every` steps across epochs. The
+    target: the plan batch's median validation loss over the last quarter of its steps (at
+    least 3 validations)."""
+    from imgclf import recipes
+    from imgclf.train import job as train_job, trainer as train_trainer
+
+    p = plan(64, 1, 2)
+    b = {"multiple": 2.0, "cfg": {"fraction": 0.05, "min_steps": 50, "cap": 4,
+                                  "evaluations": 25}}
+    r = batch_grid.run_record({**b, "multiple": 1.0}, p, recipes.get("demo"), 12, 1438, None,
+                              None)
+    assert (r["train_batches_per_epoch"], r["target"], r["max_steps"]) == (11, None, 50)
+    (tmp_path / "metrics.csv").write_text(  # `step`: the steps done, less one
+        "epoch,step,val/loss\n0,1,0.9\n0,3,0.7\n0,5,0.5\n1,7,0.6\n")
+    r = batch_grid.run_record(b, p, recipes.get("demo"), 12, 1438, None,
+                              tmp_path / "train_summary.json")
+    assert r["target"] == pytest.approx(0.6)  # the last 3 of (2, 0.9) (4, 0.7) (6, 0.5) (8, 0.6)
+    assert r["train_batches_per_epoch"] == 10 and r["eval_every"] == 1
+    assert r["epochs"] == -(-r["max_steps"] // 5)
+    assert r["warmup_steps"] == 4  # 2 of the recipe's 12 epochs, of 50 x 128 images, at 256
+    job = train_job.Job(params={"cluster": {"name": "local", "accelerator": "cpu",
+                                            "devices_per_node": 2, "nodes": 1},
+                                "model": {"precision": "32"}},
+                        t=settings.section({}, "train"), plan=p, recipe=recipes.get("demo"),
+                        lr={}, epochs=r["epochs"], out_dir=Path("out"), digest="", resume={},
+                        max_steps=r["max_steps"], batch_run={**r, "eval_every": 3})
+    job = dataclasses.replace(job, plan=dataclasses.replace(p, accumulate_grad_batches=2))
+    o = train_trainer.trainer_options(job)
+    assert (o["limit_train_batches"], o["val_check_interval"], o["check_val_every_n_epoch"]) \
+        == (10, 6, None)
+    assert not job.decays
+
+
+# --- the fit ----------------------------------------------------------------------------------
+
+def test_the_fit_finds_the_critical_batch_of_steps_made_by_hand():
+    """S = 200 (1 + 512/B) with 5 % noise: B_crit within its 90 % interval, near 512."""
+    rng = np.random.default_rng(1)
+    batches = [64, 128, 256, 512, 1024, 2048]
+    steps = [200 * (1 + 512 / b) * rng.normal(1, 0.05) for b in batches]
+    f = batch_curve.fit(batches, steps)
+    assert f["where"] == "within" and f["b_crit"] == pytest.approx(512, rel=0.25)
+    assert f["interval"][0] < 512 < f["interval"][1]
+    assert f["s_min"] == pytest.approx(200, rel=0.15)
+    exact = batch_curve.fit([128, 256], [300, 200])  # two points: the fit, no interval
+    assert exact["b_crit"] == pytest.approx(256) and exact["interval"] is None
+
+
+def test_steps_that_never_flatten_or_never_fall_give_no_critical_batch():
+    """The bend beyond the batches measured, either side: no B_crit to price devices by."""
+    above = batch_curve.fit([64, 128, 256], [400, 200, 100])
+    assert (above["where"], above["b_crit"]) == ("above", None)
+    below = batch_curve.fit([64, 128, 256], [100, 110, 130])
+    assert (below["where"], below["b_crit"]) == ("below", None)
+    assert batch_curve.fit([64, 128, 256], [300, 200, 150])["where"] == "within"
+
+
+def test_the_largest_paying_batch_is_where_a_doubling_cuts_the_stated_fraction():
+    s = lambda b: 1 + 1000 / b  # noqa: E731  (B_crit 1,000)
+    for cut in (0.1, 0.25, 0.4):
+        b = batch_curve.largest_paying(1000, cut)
+        assert 1 - s(2 * b) / s(b) == pytest.approx(cut)
+    assert batch_curve.largest_paying(1000, 0.25) == pytest.approx(1000)
+
+
+# --- what the user is told ---------------------------------------------------------------------
+
+def curve(b_crit=256.0, interval=(180.0, 400.0), global_batch=1024, devices=8):
+    f = {"s_min": 100.0, "b_crit": b_crit, "interval": list(interval) if interval else None,
+         "where": "within" if b_crit else "above", "points": 5}
+    return {"path": "results/batch/p4.json", "fit": f, "min_cut": 0.25,
+            "largest_paying_batch": b_crit and batch_curve.largest_paying(b_crit, 0.25),
+            "global_batch": global_batch, "devices": devices}
+
+
+def test_the_measured_curve_gives_time_and_cost_of_other_device_counts():
+    """Plan 1,024 on 8 devices, B_crit 256: twice the devices buy 0.9x the time at 1.8x the
+    cost; the count nearest the largest paying batch (256: 2 devices) is among the options."""
+    adv = batch_curve.advice(1024, 8, curve())
+    assert adv["source"] == "measured" and ". " not in adv["sentence"]
+    assert adv["sentence"].startswith(
+        "global batch 1,024 is 4x the critical batch 256 (90 % interval 180-400) measured on "
+        "this data (results/batch/p4.json), and the largest batch still cutting the steps 25% "
+        "per doubling is 256: ")
+    twice = next(o for o in adv["options"] if o["devices"] == 16)
+    assert (twice["time"], twice["cost"]) == (0.9, 1.8)
+    assert "twice the devices would take about 0.90x the time at 1.80x the cost" \
+        in adv["sentence"]
+    assert {o["devices"] for o in adv["options"]} == {4, 16, 2} and adv["best_devices"] == 2
+    priced = forecasting.with_forecast(adv, {"forecast_for_entry": True, "total_s": 7200,
+                                             "device_hours": 16.0, "price_per_hour": 32.0,
+                                             "world_size": 8, "nodes": 1})
+    p16 = next(o for o in priced["options"] if o["devices"] == 16)
+    assert p16["hours"] == pytest.approx(1.8) and p16["device_hours"] == pytest.approx(28.8)
+    assert p16["cost_money"] == pytest.approx(28.8 * 4.0)
+    never = batch_curve.advice(1024, 8, curve(b_crit=None, interval=None))
+    assert never["options"] == [] and "still fell about in proportion" in never["sentence"]
+
+
+def test_without_the_curve_the_noise_scale_is_an_unvalidated_estimate_and_no_forecast():
+    adv = noise_scale.advice(128, 1850, 300, "g5")
+    assert adv["options"] == [] and ". " not in adv["sentence"]
+    assert adv["sentence"] == (
+        "global batch 128 is 0.069x the gradient noise scale (1,850 +- 300), an unvalidated "
+        "upper estimate of the batch past which more devices stop paying, not a forecast of "
+        "time or cost; measure the batch that pays with `snakemake results/batch/g5.json`")
+    assert "time to about" not in adv["sentence"]
+
+
+# --- the stage for real ------------------------------------------------------------------------
+
+# Three batches around the demo plan's 128 (2 ranks of 64): the plan's batch trains 6 steps and
+# validates every 2; 64 validates every 4 of its steps, 256 every step. Range tests of 20 steps.
+BASE_YAML = FAST_YAML + """\
+lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
+noise_scale: {steps: 4, accumulate: 2}
+batch_curve: {multiples: [0.5, 1, 2], min_steps: 6, evaluations: 3, cap: 4}
+train: {log_every_n_steps: 1}
+"""
+TARGET = "results/batch/local.json"
+RUNS = "results/batch/local"
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, through_memory):
+    return built_from_memory(tmp_path_factory, through_memory, "batch_curve", BASE_YAML, TARGET)
+
+
+def read(work, path):
+    return json.loads((work / path).read_text())
+
+
+def test_each_batch_trains_at_the_lr_its_own_range_test_found(measured):
+    memory = read(measured, "results/memory/local.json")
+    assert (memory["per_device_batch"], memory["devices_per_node"]) == (64, 2)
+    for name, device_batch, accumulate, global_batch in (("0.5", 32, 1, 64), ("1", 64, 1, 128),
+                                                         ("2", 64, 2, 256)):
+        lr = read(measured, f"{RUNS}/x{name}/lr.json")
+        test = lr["range_test"]
+        assert (test["batch_size"], test["effective_batch"]) == (device_batch, global_batch)
+        assert lr["lr"] == pytest.approx(lr["suggested_lr"] * 4.0)  # lr_finder.multiple
+        s = read(measured, f"{RUNS}/x{name}/train_summary.json")
+        assert (s["per_device_batch"], s["accumulate_grad_batches"], s["global_batch"],
+                s["world_size"]) == (device_batch, accumulate, global_batch, 2)
+        assert s["lr"]["value"] == lr["lr"] and s["lr"]["source"] == "batch_curve"
+        assert s["schedule"]["kind"] == "linear warm-up, then held constant, per optimizer step"
+        frame = pd.read_csv(measured / f"{RUNS}/x{name}/metrics.csv").dropna(subset=["train/lr"])
+        warm = s["batch_curve"]["warmup_steps"]
+        held = frame[frame["step"] >= warm]["train/lr"]  # `step`: the steps done before it
+        assert len(held) and held.tolist() == pytest.approx([lr["lr"]] * len(held))
+        # whole accumulation groups: no step of an epoch's last, partial group (a smaller batch)
+        per_epoch = frame.groupby("epoch").size().tolist()[:-1]  # the last epoch may stop early
+        whole = s["batch_curve"]["train_batches_per_epoch"] // accumulate
+        assert set(per_epoch) <= {whole}, (name, per_epoch, whole)
+
+
+def test_the_curve_counts_steps_to_the_plan_batchs_loss(measured):
+    c = read(measured, TARGET)
+    own = read(measured, f"{RUNS}/x1/train_summary.json")
+    assert own["global_step"] == 6 and own["batch_curve"]["target"] is None
+    losses = [p[1] for p in batch_grid.validations(measured / f"{RUNS}/x1/metrics.csv")]
+    assert [p[0] for p in batch_grid.validations(measured / f"{RUNS}/x1/metrics.csv")] \
+        == [2, 4, 6]
+    assert c["target_val_loss"] == pytest.approx(float(np.median(losses)))
+    for r in c["runs"]:
+        name = f"{r['multiple']:g}"
+        points = batch_grid.validations(measured / f"{RUNS}/x{name}/metrics.csv")
+        first = next((step for step, loss in points if loss <= c["target_val_loss"]), None)
+        assert r["steps"] == first and r["images"] == (first and first * r["global_batch"])
+        s = read(measured, f"{RUNS}/x{name}/train_summary.json")
+        if r["multiple"] != 1.0:  # another batch stops at the target, or at its cap
+            assert s["batch_curve"]["target"] == pytest.approx(c["target_val_loss"])
+            assert s["global_step"] == (first or r["max_steps"])
+    reached = [r for r in c["runs"] if r["steps"]]
+    assert c["fit"]["points"] == len(reached) >= 2
+    assert "measured on this data (results/batch/local.json)" in c["advice"]["sentence"] \
+        or c["fit"]["b_crit"] is None
+    assert c["b_simple"] == read(measured, "results/noise/local.json")["b_simple"]
+    assert set(c["provenance"]["inputs"]) >= {f"{RUNS}/x1/train_summary.json",
+                                              "results/noise/local.json"}
+    with Image.open(measured / "results/batch/local.png") as img:
+        assert img.format == "PNG" and img.size[0] > 400
+
+
+def test_with_the_switch_the_forecast_and_all_take_the_measured_curve(measured):
+    (measured / "measure.yaml").write_text("batch_curve: {measure: true}\n")
+    res = snakemake(measured, "results/forecast/local.json", "--configfile", "base.yaml",
+                    "measure.yaml")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    f = read(measured, "results/forecast/local.json")
+    c = read(measured, TARGET)
+    assert f["batch_curve"]["sentence"] == c["advice"]["sentence"]
+    assert "an unvalidated upper estimate" in f["batch_vs_noise"]["sentence"]
+    assert TARGET in f["provenance"]["inputs"]
+    off = snakemake(measured, "-n", "--forceall", "all", "--configfile", "base.yaml")
+    on = snakemake(measured, "-n", "--forceall", "all", "--configfile", "base.yaml",
+                   "measure.yaml")
+    assert "summarize_batch" not in off.stdout and "summarize_batch" in on.stdout
+
+
+OTHERS = {"batch_run[0.5]", "batch_run[2]", "summarize_batch"}
+CASES = {
+    "no-op": (None, set()),
+    "the cut that pays: the aggregate only": ("batch_curve: {min_cut: 0.3}", {"summarize_batch"}),
+    "the cap: not the plan batch's run, which sets the target": ("batch_curve: {cap: 5}", OTHERS),
+    "the budget: every run, no range test": (
+        "batch_curve: {min_steps: 7}", {"batch_run[1]"} | OTHERS),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_batch_curve_edits_plan_exactly_their_dependents(measured, case):
+    edit, expected = CASES[case]
+    assert planned(measured, TARGET, "base.yaml", edit) == expected

@@ -1,0 +1,91 @@
+# The optional batch curve (not part of `all` or `train` unless `batch_curve.measure: true`):
+# steps to a target validation loss at global batches around the plan, each at the LR its own
+# range test finds; `snakemake results/batch/{cluster}.json` runs it. The plan batch's run sets
+# the target, the other batches train to it.
+# No conda:/container: on these rules (the lint remark): their software is the imgclf package
+# that run.sh installs into .venv from the lock in requirements/; see the comment in the Snakefile.
+
+
+rule batch_lr_find:
+    """One LR range test at `multiple` x the plan's global batch on one device (accumulation
+    makes up the batch), read with the LR summary's rule."""
+    input:
+        memory="results/memory/{cluster}.json",
+        index=train_index,
+        code=code("batch_lr", "batch_grid", "lr_find", "lr_summary", *READS_IMAGES,
+                  "one_device", "devices", "lr_grid", "budget", "lr_scaling", "plots"),
+    output:
+        "results/batch/{cluster}/x{multiple}/lr.json",
+    log:
+        "logs/batch/{cluster}/lr_x{multiple}.log",
+    benchmark:
+        "benchmarks/batch_lr/{cluster}_x{multiple}.tsv"
+    # CPU ranks: the machine's CPUs (one job at a time); a GPU: one, as an LR run
+    threads: lambda wc: hw(wc)["cpus_per_node"] if hw(wc)["accelerator"] == "cpu" else 1
+    resources:
+        **gpu_job_resources(one_device),
+    params:
+        p=lambda wc: slices.batch_lr_params(config, wc.cluster, wc.multiple),
+    script:
+        "../scripts/batch_lr_find.py"
+
+
+rule batch_run:
+    """A training at `multiple` x the plan's global batch through the same entry point as
+    train_model (under Slurm a job of the training's shape), at its range test's LR, held
+    after warm-up, validated every few steps: the plan's batch for its budget (it sets the
+    target), another until it reaches the target. Checkpoints stay in its folder's
+    checkpoints/, not an output, so a killed run resumes."""
+    input:
+        memory="results/memory/{cluster}.json",
+        lr="results/batch/{cluster}/x{multiple}/lr.json",
+        target=batch_target,
+        train_index=train_index,
+        val_index=val_index,
+        code=code(*TRAINS),
+    output:
+        summary="results/batch/{cluster}/x{multiple}/train_summary.json",
+        metrics="results/batch/{cluster}/x{multiple}/metrics.csv",
+    log:
+        "logs/batch/{cluster}/run_x{multiple}.log",
+    benchmark:
+        "benchmarks/batch_run/{cluster}_x{multiple}.tsv"
+    threads: lambda wc: hw(wc)["cpus_per_node"]
+    resources:
+        **training_resources(),
+    params:
+        p=lambda wc: json.dumps(
+            slices.batch_run_params(config, wc.cluster, wc.multiple), sort_keys=True
+        ),
+        target=lambda wc, input: f"--target-file {input.target[0]}" if input.target else "",
+        imgclf=IMGCLF,
+    shell:
+        "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
+        " --memory {input.memory} --lr-file {input.lr} {params.target}"
+        " --out-dir results/batch/{wildcards.cluster}/x{wildcards.multiple} --log {log}"
+
+
+rule summarize_batch:
+    """Steps and images to the target per batch, the fit S = S_min (1 + B_crit / B) with its
+    interval, the largest batch that still pays, and what more or fewer devices would buy."""
+    input:
+        runs=lambda wc: batch_files(wc.cluster, "train_summary.json"),
+        metrics=lambda wc: batch_files(wc.cluster, "metrics.csv"),
+        lrs=lambda wc: batch_files(wc.cluster, "lr.json"),
+        memory="results/memory/{cluster}.json",
+        noise="results/noise/{cluster}.json",
+        code=code("batch_curve", "batch_grid", "gradient_noise", "artifacts", "budget",
+                  "lr_grid", "plots"),
+    output:
+        json="results/batch/{cluster}.json",
+        plot=report(
+            "results/batch/{cluster}.png",
+            caption="../report/batch.rst",
+            category="4. Learning rate and batch size",
+        ),
+    log:
+        "logs/batch/{cluster}.log",
+    params:
+        p=lambda wc: slices.batch_curve_params(config, wc.cluster),
+    script:
+        "../scripts/summarize_batch.py"

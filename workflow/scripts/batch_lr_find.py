@@ -1,0 +1,6 @@
+from imgclf import batch_lr, stage
+
+stage.run(lambda: batch_lr.run(
+    **snakemake.params.p, memory_path=snakemake.input.memory, out=snakemake.output[0],
+    threads=snakemake.threads,
+), snakemake.log[0])

@@ -1,0 +1,7 @@
+from imgclf import batch_curve, stage
+
+stage.run(lambda: batch_curve.run(
+    snakemake.input.runs, snakemake.input.metrics, snakemake.input.lrs,
+    snakemake.input.memory, snakemake.input.noise, **snakemake.params.p,
+    out=snakemake.output.json, plot=snakemake.output.plot,
+), snakemake.log[0])
