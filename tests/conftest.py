@@ -285,7 +285,8 @@ RUNS_SNAKEMAKE = {"demo_root", "workflow_copy", "through_memory", "demo_run", "d
 # long files start early and the short ones even out the end; test_reproducibility.py first
 # builds demo_run while the other worker runs files that do not need it.
 LONGEST_FIRST = ("test_reproducibility.py", "test_lr.py", "test_commands.py",
-                 "test_data_flaws.py", "test_lr_validation.py", "test_pipeline.py",
+                 "test_data_flaws.py", "test_lr_validation.py", "test_batch_curve.py",
+                 "test_pipeline.py",
                  "test_memory.py", "test_train.py")
 
 

@@ -37,6 +37,9 @@ def test_a_larger_batch_accumulates_and_a_smaller_one_never_grows_a_device_batch
             for s in got.values()] == [(32, 1, 256), (64, 1, 512), (64, 2, 1024),
                                        (64, 16, 8192)]
     assert batch_grid.shape(p, 1.5)["accumulate_grad_batches"] == 3  # 2 x 1.5 is whole
+    odd = batch_grid.shape(plan(64, 3, 8), 0.5)  # 1.5 batches of 64: 2 of 48, not 1 of 96
+    assert (odd["per_device_batch"], odd["accumulate_grad_batches"], odd["global_batch"]) \
+        == (48, 2, 768)
     with pytest.raises(UserError) as e:
         batch_grid.shape(plan(64, 1, 8), 1.5)
     assert "`batch_curve.multiples`" in str(e.value) and one_sentence(str(e.value))
@@ -75,12 +78,17 @@ def test_a_run_steps_on_whole_accumulation_groups_and_validates_on_its_steps(tmp
                               None)
     assert (r["train_batches_per_epoch"], r["target"], r["max_steps"]) == (11, None, 50)
     (tmp_path / "metrics.csv").write_text(  # `step`: the steps done, less one
-        "epoch,step,val/loss\n0,1,0.9\n0,3,0.7\n0,5,0.5\n1,7,0.6\n")
+        "epoch,step,val/acc1,val/loss\n0,1,0.3,0.9\n0,3,0.4,0.7\n0,5,0.5,0.5\n1,7,0.5,0.6\n")
     r = batch_grid.run_record(b, p, recipes.get("demo"), 12, 1438, None,
                               tmp_path / "train_summary.json")
     assert r["target"] == pytest.approx(0.6)  # the last 3 of (2, 0.9) (4, 0.7) (6, 0.5) (8, 0.6)
     assert r["train_batches_per_epoch"] == 10 and r["eval_every"] == 1
     assert r["epochs"] == -(-r["max_steps"] // 5)
+    (tmp_path / "metrics.csv").write_text(  # diverged at the end: no target, one sentence
+        "epoch,step,val/acc1,val/loss\n0,1,0.3,0.9\n0,3,0.1,nan\n")
+    with pytest.raises(UserError) as e:
+        batch_grid.target_of(tmp_path / "train_summary.json")
+    assert "diverged" in str(e.value) and one_sentence(str(e.value))
     assert r["warmup_steps"] == 4  # 2 of the recipe's 12 epochs, of 50 x 128 images, at 256
     job = train_job.Job(params={"cluster": {"name": "local", "accelerator": "cpu",
                                             "devices_per_node": 2, "nodes": 1},
@@ -256,6 +264,11 @@ def test_with_the_switch_the_forecast_and_all_take_the_measured_curve(measured):
     assert f["batch_curve"]["sentence"] == c["advice"]["sentence"]
     assert "an unvalidated upper estimate" in f["batch_vs_noise"]["sentence"]
     assert TARGET in f["provenance"]["inputs"]
+    # the curve's jobs (3 range tests, 3 runs, the aggregate) among the stages before training
+    runs = sum(read(measured, f"{RUNS}/x{n}/{file}")["provenance"]["job_seconds"]
+               for n in ("0.5", "1", "2") for file in ("lr.json", "train_summary.json"))
+    assert f["before_training"]["job_seconds"]["batch curve"] == pytest.approx(
+        runs + c["provenance"]["job_seconds"], abs=0.2)
     off = snakemake(measured, "-n", "--forceall", "all", "--configfile", "base.yaml")
     on = snakemake(measured, "-n", "--forceall", "all", "--configfile", "base.yaml",
                    "measure.yaml")

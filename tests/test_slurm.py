@@ -269,7 +269,7 @@ def test_cpu_entry_asks_for_its_cpu_processes_and_one_gpu_takes_one_srun_task():
         assert r["tasks"] is None and r["tasks_per_node"] is None and r["mpi"] == ""
         assert r["launch"].endswith(f"srun --nodes=1 --ntasks-per-node=1 --cpus-per-task="
                                     f"{entry['cpus_per_node']} --kill-on-bad-exit=1"), r
-        for rule in ("train_model", "validate_lr_run"):
+        for rule in ("train_model", "validate_lr_run", "batch_run"):
             line = sbatch_line(entry, rule=rule)
             assert "--nodes=1" in line and "--ntasks-per-node" not in line, line
             assert ("--gres=gpu:a100:1" in line) == (entry is one_gpu), line

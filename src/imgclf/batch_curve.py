@@ -103,7 +103,7 @@ def advice(global_batch: int, devices: int, curve: dict) -> dict:
     half = option(global_batch, devices, devices // 2, b_crit) if devices % 2 == 0 else None
     best = nearest_devices(global_batch, devices, pays)
     options = [o for o in (half, twice) if o]
-    if best not in (devices, 2 * devices, devices // 2):
+    if best != devices and best not in (o["devices"] for o in options):
         options.append(option(global_batch, devices, best, b_crit))
     interval = "" if not f["interval"] else \
         f" (90 % interval {f['interval'][0]:,.0f}-" + \

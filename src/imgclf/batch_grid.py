@@ -34,10 +34,9 @@ def shape(plan: artifacts.Plan, multiple: float) -> dict:
                             f"the plan's accumulation ({plan.accumulate_grad_batches}) a whole "
                             f"number; use 2, 4 or 8.")
         batch, accumulate = plan.per_device_batch, round(micro)
-    elif micro >= 1 and abs(micro - round(micro)) < 1e-9:
-        batch, accumulate = plan.per_device_batch, round(micro)
-    else:
-        batch, accumulate = round(plan.per_device_batch * micro), 1
+    else:  # the fewest batches per step that keep each within the solved per-device batch
+        accumulate = max(1, math.ceil(micro - 1e-9))
+        batch = round(plan.per_device_batch * micro / accumulate)
         if batch < 1:
             raise UserError(f"`batch_curve.multiples` holds {k:g}, below one image per device "
                             f"for the plan's global batch {plan.global_batch}: raise it.")
@@ -116,13 +115,14 @@ def run_lr(path, plan: artifacts.Plan, run_shape: dict) -> dict:
 
 def validations(metrics_csv) -> list[tuple[int, float]]:
     """(optimizer steps done, validation loss) of each validation of a run, in order (the
-    metrics' `step` of a validation is the steps done less one)."""
+    metrics' `step` of a validation is the steps done less one); a diverged one's loss NaN.
+    Validations are the rows with a top-1, which stays a number when the loss does not."""
     import pandas as pd
 
     frame = pd.read_csv(metrics_csv)
-    if "val/loss" not in frame:
+    if "val/acc1" not in frame:
         return []
-    val = frame.dropna(subset=["val/loss"])
+    val = frame.dropna(subset=["val/acc1"])
     return [(int(step) + 1, float(loss)) for step, loss in zip(val["step"], val["val/loss"])]
 
 
@@ -139,13 +139,12 @@ def target_of(summary_path) -> float:
     if not points:
         raise UserError(f"The run at the plan's batch ({metrics}) has no validation, so there "
                         f"is no target: {how}.")
+    if not all(math.isfinite(loss) for _, loss in points):
+        raise UserError(f"The run at the plan's batch ({metrics}) diverged (a validation loss "
+                        f"is not a number), so there is no target: lower `lr_finder.multiple`, "
+                        f"which sets each run's LR from its range test.")
     last = points[-1][0]
-    tail = [loss for step, loss in points if step > 0.75 * last] or [points[-1][1]]
+    tail = [loss for step, loss in points if step > 0.75 * last]
     if len(tail) < 3:
         tail = [loss for _, loss in points[-3:]]
-    target = float(np.median(tail))
-    if not math.isfinite(target):
-        raise UserError(f"The run at the plan's batch ({metrics}) ended without a finite "
-                        f"validation loss, so there is no target: lower `lr_finder.multiple` "
-                        f"or raise `batch_curve.min_steps`.")
-    return target
+    return float(np.median(tail))

@@ -363,10 +363,14 @@ def run(runs, lr_path, hydration_path, loader_path, memory_path, noise_path, tra
     for key in ("batch_curve", "batch_vs_noise"):
         if key in forecast:
             log.info("%s", forecast[key]["sentence"])
-    forecast["before_training"] = stages_before_training(
-        {"hydration check": [hydration_path], "loader benchmark": [loader_path],
-         "memory solve": [memory_path], "LR runs": list(runs), "LR summary": [lr_path],
-         "noise scale": [noise_path]}, provenance.job_seconds(), forecast.get("total_s"))
+    stages = {"hydration check": [hydration_path], "loader benchmark": [loader_path],
+              "memory solve": [memory_path], "LR runs": list(runs), "LR summary": [lr_path],
+              "noise scale": [noise_path]}
+    if batch_path:  # its range tests and runs, as the curve's provenance names them
+        stages["batch curve"] = [batch_path, *(
+            p for p in curve["provenance"]["inputs"] if p.startswith("results/batch/"))]
+    forecast["before_training"] = stages_before_training(stages, provenance.job_seconds(),
+                                                         forecast.get("total_s"))
     log.info("%s", forecast["before_training"]["sentence"])
     return write_artifact(out, forecast, config_slice={"hw": hw, "model": model, "train": train,
                                                         "measurement_share": measurement_share},

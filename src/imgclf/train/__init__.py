@@ -80,8 +80,10 @@ def run(params: dict, memory_path, lr_file, out_dir,
     bars, show_bar = progress_callbacks(throughput, (expected or {}).get("total_s"))
     ema_warmup = min(job.recipe.warmup_epochs, job.epochs / 2) if job.warmup_fraction is None \
         else job.warmup_fraction * job.epochs
-    ema = for_recipe(job.recipe, global_batch=job.plan.global_batch, epochs=job.epochs,
-                     warmup_epochs=ema_warmup)
+    # a batch-curve run validates its own weights: an average updated every few steps would
+    # lag the steps to the target, most at the large batches that take few
+    ema = None if job.batch_run else for_recipe(job.recipe, global_batch=job.plan.global_batch,
+                                                epochs=job.epochs, warmup_epochs=ema_warmup)
     noise = NoiseScaleLog(job.plan.per_device_batch * job.plan.accumulate_grad_batches,
                           job.plan.global_batch) if job.t["noise_scale"] else None
     callbacks = [throughput, recorder, checkpoint, *bars, *([ema] if ema else []),
