@@ -174,7 +174,7 @@ def test_without_the_curve_the_noise_scale_is_an_unvalidated_estimate_and_no_for
     assert adv["options"] == [] and ". " not in adv["sentence"]
     assert adv["sentence"] == (
         "global batch 128 is 0.069x the gradient noise scale (1,850 +- 300), an unvalidated "
-        "upper estimate of the batch past which more devices stop paying, not a forecast of "
+        "estimate of the batch past which more devices stop paying, not a forecast of "
         "time or cost; measure the batch that pays with `snakemake results/batch/g5.json`")
     assert "time to about" not in adv["sentence"]
 
@@ -262,7 +262,7 @@ def test_with_the_switch_the_forecast_and_all_take_the_measured_curve(measured):
     f = read(measured, "results/forecast/local.json")
     c = read(measured, TARGET)
     assert f["batch_curve"]["sentence"] == c["advice"]["sentence"]
-    assert "an unvalidated upper estimate" in f["batch_vs_noise"]["sentence"]
+    assert "an unvalidated estimate" in f["batch_vs_noise"]["sentence"]
     assert TARGET in f["provenance"]["inputs"]
     # the curve's jobs (3 range tests, 3 runs, the aggregate) among the stages before training
     runs = sum(read(measured, f"{RUNS}/x{n}/{file}")["provenance"]["job_seconds"]
