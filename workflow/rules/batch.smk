@@ -12,8 +12,19 @@ rule batch_lr_find:
     input:
         memory="results/memory/{cluster}.json",
         index=train_index,
-        code=code("batch_lr", "batch_grid", "lr_find", "lr_summary", *READS_IMAGES,
-                  "one_device", "devices", "lr_grid", "budget", "lr_scaling", "plots"),
+        code=code(
+            "batch_lr",
+            "batch_grid",
+            "lr_find",
+            "lr_summary",
+            *READS_IMAGES,
+            "one_device",
+            "devices",
+            "lr_grid",
+            "budget",
+            "lr_scaling",
+            "plots",
+        ),
     output:
         "results/batch/{cluster}/x{multiple}/lr.json",
     log:
@@ -57,7 +68,9 @@ rule batch_run:
         p=lambda wc: json.dumps(
             slices.batch_run_params(config, wc.cluster, wc.multiple), sort_keys=True
         ),
-        target=lambda wc, input: f"--target-file {input.target[0]}" if input.target else "",
+        target=lambda wc, input: (
+            f"--target-file {input.target[0]}" if input.target else ""
+        ),
         imgclf=IMGCLF,
     shell:
         "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
@@ -67,15 +80,23 @@ rule batch_run:
 
 rule summarize_batch:
     """Steps and images to the target per batch, the fit S = S_min (1 + B_crit / B) with its
-    interval, the largest batch that still pays, and what more or fewer devices would buy."""
+    interval, the largest batch that still pays, and what more or fewer devices would buy.
+    """
     input:
         runs=lambda wc: batch_files(wc.cluster, "train_summary.json"),
         metrics=lambda wc: batch_files(wc.cluster, "metrics.csv"),
         lrs=lambda wc: batch_files(wc.cluster, "lr.json"),
         memory="results/memory/{cluster}.json",
         noise="results/noise/{cluster}.json",
-        code=code("batch_curve", "batch_grid", "gradient_noise", "artifacts", "budget",
-                  "lr_grid", "plots"),
+        code=code(
+            "batch_curve",
+            "batch_grid",
+            "gradient_noise",
+            "artifacts",
+            "budget",
+            "lr_grid",
+            "plots",
+        ),
     output:
         json="results/batch/{cluster}.json",
         plot=report(

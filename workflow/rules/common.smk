@@ -16,9 +16,9 @@ wildcard_constraints:
 
 
 def training_resources():
-    """Resources of a job that trains (train_model, validate_lr_run), one lambda per key of
-    slurm_jobs.train_resources: the GPU pool locally, the allocation and srun line under Slurm.
-    """
+    """Resources of a job that trains (train_model, validate_lr_run, batch_run), one lambda
+    per key of slurm_jobs.train_resources: the GPU pool locally, the allocation and srun line
+    under Slurm."""
     return {
         key: (lambda wc, key=key: slurm_jobs.train_resource(workflow, hw(wc), key))
         for key in slurm_jobs.TRAIN_RESOURCE_KEYS
@@ -114,7 +114,9 @@ def report_table_source(wildcards):
 
 
 def all_targets(cluster):
-    batch = [f"results/batch/{cluster}.json"] if config["batch_curve"]["measure"] else []
+    batch = (
+        [f"results/batch/{cluster}.json"] if config["batch_curve"]["measure"] else []
+    )
     return [
         *batch,
         f"results/hydration/{cluster}.json",
@@ -184,8 +186,10 @@ def batch_target(wildcards):
     """The plan batch's run, whose final validation loss the other batches train to."""
     if float(wildcards.multiple) == 1.0:
         return []
-    return [f"results/batch/{wildcards.cluster}/x1/{name}"
-            for name in ("train_summary.json", "metrics.csv")]
+    return [
+        f"results/batch/{wildcards.cluster}/x1/{name}"
+        for name in ("train_summary.json", "metrics.csv")
+    ]
 
 
 def batch_curve_input(wildcards):
