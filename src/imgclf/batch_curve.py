@@ -119,10 +119,9 @@ def advice(global_batch: int, devices: int, curve: dict) -> dict:
             "sentence": f"{head}: {tail}"}
 
 
-def read_run(summary_path, metrics_path, lr_path, target: float) -> dict:
-    """One batch's figures: its batch and LR, the steps and images to the target, where it
-    stopped."""
-    s = read_json(summary_path)
+def read_run(s: dict, metrics_path, lr_path, target: float) -> dict:
+    """One batch's figures (`s`: its train summary): its batch and LR, the steps and images to
+    the target, where it stopped."""
     lr = read_json(lr_path)
     b = s["batch_curve"]
     steps = steps_to_target(metrics_path, target)
@@ -162,14 +161,15 @@ def run(summaries, metrics, lrs, memory_path, noise_path, cfg: dict, cluster: st
     """results/batch/{cluster}.json and its plot from each batch's train summary, metrics and
     range test (in the same order); the plan's batch (multiple 1) gives the target."""
     plan = artifacts.Plan.read(memory_path, cluster)
-    multiples = [float(read_json(p)["batch_curve"]["multiple"]) for p in summaries]
+    loaded = [read_json(p) for p in summaries]
+    multiples = [float(s["batch_curve"]["multiple"]) for s in loaded]
     missing = sorted(set(cfg["multiples"]) - set(multiples))
     if missing or 1.0 not in multiples:
         raise UserError(f"No batch-curve run for multiple(s) "
                         f"{', '.join(f'{m:g}' for m in missing or [1.0])}: rerun "
                         f"`snakemake {out}`.")
     target = target_of(summaries[multiples.index(1.0)])
-    runs = [read_run(*paths, target) for paths in zip(summaries, metrics, lrs)]
+    runs = [read_run(*paths, target) for paths in zip(loaded, metrics, lrs)]
     curve = summarize(sorted(runs, key=lambda r: r["global_batch"]), plan, cfg, target,
                       artifacts.noise_scale(noise_path), str(out))
     log.info("%s", curve["advice"]["sentence"])

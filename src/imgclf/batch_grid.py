@@ -16,12 +16,6 @@ from imgclf.errors import UserError
 
 # --- the runs' shapes --------------------------------------------------------------------------
 
-def grid(multiples) -> list[float]:
-    """The multiples to run, sorted, with 1 (the plan's batch, which sets the target) among
-    them."""
-    return lr_grid.grid(multiples)
-
-
 def shape(plan: artifacts.Plan, multiple: float) -> dict:
     """Per-device batch and accumulation that make `multiple` x the plan's global batch on the
     plan's devices: more accumulation above 1, less accumulation (or a smaller per-device
