@@ -291,12 +291,49 @@ def test_failed_verification_backs_off_to_a_batch_that_runs():
     assert result["per_device_batch"] == 136
 
 
-def test_nothing_fits_when_probing_fails_is_one_sentence():
+@pytest.mark.parametrize("smallest", [1, 2])
+def test_nothing_fits_when_probing_fails_is_one_sentence(smallest):
     step = simulated_gpu(capacity=0.5e9)
     with pytest.raises(UserError) as err:
         memory.measure(step, 0.85 * 0.5e9, [8, 16, 32], round_to=8, max_batch=1024,
-                       max_backoffs=8, what="resnet50 at 224 px on cluster tiny")
-    assert str(err.value).startswith("Not even a batch of 1 fits") and 1 in step.calls
+                       max_backoffs=8, what="resnet50 at 224 px on cluster tiny",
+                       smallest=smallest)
+    assert str(err.value).startswith(f"Not even a batch of {smallest} fits")
+    assert min(step.calls) == smallest
+
+
+def real_steps_on_the_cpu(calls: list[int]) -> dict:
+    """The measured solve's device with the model's real training steps (batch norm in
+    training mode, as on the GPU) run on the CPU, and the allocator simulated: 1 GB plus 10 MB
+    per image, within a 24 GB card."""
+    def factory(arch, num_classes, recipe, resolution, precision, channels_last, steps):
+        model = recipes.build_model(arch, num_classes).train()
+
+        def step(batch):
+            calls.append(batch)
+            model(torch.randn(batch, 3, resolution, resolution)).sum().backward()
+            return {"allocated": 1e9 + 1e7 * batch, "reserved": 1e9 + 1e7 * batch}
+        return step
+
+    return {"name": "simulated", "total": 24e9, "outside_allocator": lambda: 0.5e9,
+            "step_factory": factory}
+
+
+@pytest.mark.parametrize("resolution, smallest", [(32, 2), (64, 1)])
+def test_the_measured_solve_never_steps_below_the_smallest_trainable_batch(resolution,
+                                                                          smallest):
+    """At 32 px ResNet's last map is 1x1, where batch norm refuses a batch of 1 in training:
+    the demo's measured solve on a GPU stopped at its warm-up step until it started at 2."""
+    config = settings.load()
+    model = {"arch": "resnet18", "recipe": "demo", "resolution": resolution, "precision": "32",
+             "channels_last": False}
+    calls: list[int] = []
+    r = memory.solve(config["memory"] | {"mode": "measure"}, model,
+                     settings.cluster(config, "g5"),
+                     loader_report("g5", num_classes=10, resolution=resolution),
+                     gpu_here=real_steps_on_the_cpu(calls))
+    assert calls[0] == min(calls) == smallest  # the warm-up
+    assert r["method"] == "measured" and r["per_device_batch"] == 128  # the demo's max_batch
 
 
 def test_nothing_fits_estimate_names_cluster_model_and_memory():

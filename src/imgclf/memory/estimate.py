@@ -137,8 +137,10 @@ def count_params(model) -> dict:
 @functools.lru_cache(maxsize=16)
 def model_profile(arch: str, num_classes: int, resolution: int, precision: str,
                   channels_last: bool, recipe_name: str) -> dict:
-    """Parameter counts and saved-tensor profile of the real model, loss and precision
-    (cached: planning several clusters for one model counts it once)."""
+    """Parameter counts and saved-tensor profile of the real model, loss and precision, and
+    the smallest batch a training step takes (2 where batch norm sees a 1x1 map, as ResNet's
+    last stage at 32 px: one value per channel, which it refuses in training) (cached: planning
+    several clusters for one model counts it once)."""
     import torch
 
     from imgclf import recipes
@@ -154,13 +156,15 @@ def model_profile(arch: str, num_classes: int, resolution: int, precision: str,
         return (torch.randn(b, 3, resolution, resolution, generator=gen),
                 torch.randint(0, num_classes, (b,), generator=gen))
 
+    smallest = 1
     try:  # batches 1 and 2 cost least; batch norm refuses batch 1 on a 1x1 feature map
         profile = saved_tensor_profile(model, make_batch, loss_fn, precision, batches=(1, 2),
                                        channels_last=channels_last)
     except ValueError:
+        smallest = 2
         profile = saved_tensor_profile(model, make_batch, loss_fn, precision, batches=(2, 3),
                                        channels_last=channels_last)
-    return {**count_params(model), "activations": profile}
+    return {**count_params(model), "activations": profile, "smallest_batch": smallest}
 
 
 def breakdown(batch: int, prof: dict, *, resolution: int, state_floats: int, world: int,

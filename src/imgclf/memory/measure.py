@@ -197,10 +197,10 @@ def _try(step, batch: int, budget: float, what: str, events: list[str]) -> dict 
     return None
 
 
-def _probe(step, budget: float, probes: list[int], max_backoffs: int,
-           events: list[str]) -> tuple[dict[int, dict], list[int]]:
+def _probe(step, budget: float, probes: list[int], max_backoffs: int, events: list[str],
+           smallest: int) -> tuple[dict[int, dict], list[int]]:
     """Peaks at the probe batches that fit, and the batches that did not; a batch that does
-    not fit is replaced by the one halfway down to the largest that did (or by its half)."""
+    not fit is replaced by the one halfway down to the largest that did (or to `smallest`)."""
     ok: dict[int, dict] = {}
     too_big: list[int] = []
     queue = sorted(set(probes))
@@ -213,65 +213,69 @@ def _probe(step, budget: float, probes: list[int], max_backoffs: int,
             ok[b] = peak
             continue
         too_big.append(b)
-        lower = max((k for k in ok if k < b), default=0)
+        lower = max((k for k in ok if k < b), default=smallest - 1)
         queue = [q for q in queue if q < b]
         nxt = (lower + b) // 2
-        if nxt > lower and nxt not in ok:
+        if nxt > lower:
             queue.insert(0, nxt)
-        elif not ok and b > 1:
-            queue.insert(0, max(1, b // 2))
     return ok, too_big
 
 
 def _verify(step, budget: float, batch: int, *, round_to: int, max_backoffs: int,
-            events: list[str]) -> tuple[int, dict | None]:
+            events: list[str], smallest: int) -> tuple[int, dict | None]:
     """The solved batch, or the first smaller one (a multiple of `round_to` while it can be),
-    at which a real step fits the budget, with its peak; None when not even batch 1 does."""
+    at which a real step fits the budget, with its peak; None when not even batch `smallest`
+    does."""
     for _ in range(max_backoffs + 1):
         peak = _try(step, batch, budget, "verification", events)
         if peak is not None:
             return batch, peak
-        if batch == 1:
+        if batch <= smallest:
             break
         lower = batch - round_to if batch > round_to else batch // 2
-        batch = max(1, round_down(lower, round_to) if lower >= round_to else lower)
+        batch = max(smallest, round_down(lower, round_to) if lower >= round_to else lower)
     return batch, None
 
 
 def measure(step, budget: float, probes: list[int], *, round_to: int, max_batch: int,
-            max_backoffs: int, what: str) -> dict:
+            max_backoffs: int, what: str, smallest: int = 1) -> dict:
     """Probe, fit fixed + per-sample reserved memory, solve, verify with one more real step.
 
     `step(b)` returns {"allocated", "reserved"} or raises an allocation failure (see
     `out_of_memory`); a probe over the budget counts as too large. Allocation failures are
-    caught and the search backs off; when no batch fits it raises one sentence (UserError)
-    saying whether batch 1 itself failed or the search ran out of tries."""
+    caught and the search backs off, never below `smallest` (the model's smallest trainable
+    batch); when no batch fits it raises one sentence (UserError) saying whether that batch
+    itself failed or the search ran out of tries."""
     events: list[str] = []
-    ok, too_big = _probe(step, budget, probes, max_backoffs, events)
+    ok, too_big = _probe(step, budget, probes, max_backoffs, events, smallest)
     if not ok:
-        raise UserError(nothing_fits(what, budget, min(too_big), len(too_big), "probe"))
+        raise UserError(nothing_fits(what, budget, min(too_big), len(too_big), "probe",
+                                     smallest))
     fixed, per_sample = fit_line({b: p["reserved"] for b, p in ok.items()})
     per_sample = max(per_sample, 1.0)
     solved = int((budget - fixed) // per_sample)
     ceiling = min([max_batch] + [b - 1 for b in too_big])
-    batch = max(1, round_down(min(solved, ceiling), round_to))
+    batch = max(smallest, round_down(min(solved, ceiling), round_to))
     batch, verified = _verify(step, budget, batch, round_to=round_to,
-                              max_backoffs=max_backoffs, events=events)
+                              max_backoffs=max_backoffs, events=events, smallest=smallest)
     if verified is None:
-        raise UserError(nothing_fits(what, budget, batch, max_backoffs + 1, "verification"))
+        raise UserError(nothing_fits(what, budget, batch, max_backoffs + 1, "verification",
+                                     smallest))
     return {"per_device_batch": batch, "solved_batch": solved, "fixed_bytes": fixed,
             "per_sample_bytes": per_sample, "probes": {str(b): p for b, p in sorted(ok.items())},
             "too_big": sorted(too_big), "events": events, "verified": verified}
 
 
-def nothing_fits(what: str, budget: float, smallest: int, tries: int, stage: str) -> str:
-    """The sentence when the search ends without a batch that fits: batch 1 itself failing,
-    or the search out of tries (memory.max_backoffs) before it got down to batch 1."""
-    if smallest == 1:
-        return (f"Not even a batch of 1 fits: {what} ran out of the {budget / GB:.2f} GB "
-                f"budget (memory.safety_margin) at every {stage} down to batch 1.")
+def nothing_fits(what: str, budget: float, failed: int, tries: int, stage: str,
+                 smallest: int) -> str:
+    """The sentence when the search ends without a batch that fits: the smallest trainable
+    batch itself failing, or the search out of tries (memory.max_backoffs) before it got down
+    to it; `failed` is the smallest batch tried."""
+    if failed <= smallest:
+        return (f"Not even a batch of {smallest} fits: {what} ran out of the {budget / GB:.2f} "
+                f"GB budget (memory.safety_margin) at every {stage} down to batch {smallest}.")
     return (f"The memory search for {what} stopped after {tries} {stage}s that did not fit "
-            f"the {budget / GB:.2f} GB budget, the smallest at batch {smallest}: raise "
+            f"the {budget / GB:.2f} GB budget, the smallest at batch {failed}: raise "
             f"memory.max_backoffs, or name smaller memory.probe_batches.")
 
 
@@ -294,32 +298,35 @@ def measure_here(memory, model, hw, recipe, num_classes, counts, estimate_batch,
     estimated batch unless `memory.probe_batches` names them. The budget is the safety margin
     of the GPU's memory less what lies outside torch's allocator and what training holds beside
     what the probes allocate (`beside_the_probes`). What lies outside the allocator is read
-    after a warm-up step at batch 1, once the handles and kernels a step loads exist, and again
-    after the last step: the larger is reported."""
+    after a warm-up step at the model's smallest trainable batch (`model_profile`), once the
+    handles and kernels a step loads exist, and again after the last step: the larger is
+    reported. No step runs below that batch."""
     total = device["total"]
     step = device["step_factory"](model["arch"], num_classes, recipe,
                                   recipe.train_size(model["resolution"]),
                                   model["precision"], model["channels_last"],
                                   memory["probe_steps"])
+    smallest = counts["smallest_batch"]
     try:
-        step(1)
+        step(smallest)
     except RuntimeError as error:
         failed = out_of_memory(error)
         if failed is None:
             raise
-        raise UserError(f"Not even a batch of 1 fits: {what} ran {failed} in its warm-up step "
-                        f"at batch 1, before any budget applied.") from None
+        raise UserError(f"Not even a batch of {smallest} fits: {what} ran {failed} in its "
+                        f"warm-up step at batch {smallest}, before any budget applied.") from None
     capacity = min(total, hw["gpu_memory_gb"] * GB)
     outside = device["outside_allocator"]()
     beside = beside_the_probes(memory, hw, recipe, counts)
     budget = memory["safety_margin"] * capacity - outside - sum(beside.values())
     if memory["probe_batches"] == "auto":
-        e = max(estimate_batch, 4)
-        probes = sorted({max(1, e // 4), max(2, e // 2), max(3, 3 * e // 4)})
+        e = max(estimate_batch, 4 * smallest)
+        probes = {e // 4, e // 2, 3 * e // 4}
     else:
-        probes = list(memory["probe_batches"])
-    result = measure(step, budget, probes, round_to=memory["round_to"], max_batch=max_batch,
-                     max_backoffs=memory["max_backoffs"], what=what)
+        probes = set(memory["probe_batches"])
+    result = measure(step, budget, sorted({max(smallest, b) for b in probes}),
+                     round_to=memory["round_to"], max_batch=max_batch,
+                     max_backoffs=memory["max_backoffs"], what=what, smallest=smallest)
     outside_after = device["outside_allocator"]()
     if outside_after > outside:
         result["events"].append(
