@@ -60,6 +60,7 @@ HOW = {
                      "it made",
     "./run.sh lock --upgrade": "it moves the locks to newer releases, which is a decision",
     ".venv/bin/python -m pytest -m gpu": "it runs the GPU tests, skipped without a GPU",
+    ".venv/bin/python benchmarks/gpu.py": "it needs a CUDA GPU",
 }
 # What a real run must leave behind, beyond exit status 0 and no traceback.
 LEAVES = {
