@@ -452,6 +452,7 @@ def test_ddp_two_gloo_processes_through_cli(demo_root, tmp_path):
     assert "starting fresh" in text and "LR 0.1 from lr_finder" in text  # rank 0's, kept whole
     assert "epoch 2/2, val/acc1" in text  # plain progress lines, not a redrawn bar
     assert "\r" not in text and "\r" not in res.stderr
+    assert "sync_dist" not in res.stderr  # Lightning's advice on unsynced epoch metrics
     for written in (out / "train_summary.json", out / "best.ckpt", out / "checkpoints/last.ckpt"):
         assert written.stat().st_mode & 0o777 == 0o666 & ~UMASK, written
 

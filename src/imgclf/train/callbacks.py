@@ -342,8 +342,10 @@ class NoiseScaleLog(Callback):
         value = trace / grad_sq if grad_sq > 0 else None
         self.by_epoch.append({"epoch": trainer.current_epoch, "b_simple": value, "steps": steps,
                               "grad_sq": grad_sq, "trace": trace})
-        if value is not None:
-            pl_module.log("train/noise_scale", value, on_step=False, on_epoch=True)
+        if value is not None:  # the same on every rank: syncing it averages equal values, and
+            # without it Lightning warns in every run's log that an epoch metric is not synced
+            pl_module.log("train/noise_scale", value, on_step=False, on_epoch=True,
+                          sync_dist=True)
 
     def state_dict(self):
         return {"by_epoch": self.by_epoch}
