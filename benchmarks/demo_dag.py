@@ -5,7 +5,8 @@ digits) in this checkout after removing its results, logs, Snakemake records and
 benchmark files; then a plain `LRFinder.range_test` loop of 100 iterations (ResNet-18 at 32 px,
 batch 64, benchmarks/lr_finder.py's) three times, each a fresh process. Prints each job's start
 and end (Snakemake's one-second time stamps, from the start of the run), how many cores were
-busy over the run, the DAG's wall time, the loop's median and their ratio.
+busy over the run, the DAG's wall time and CPU time (user + system of every process it waited
+for: a floor for its wall time on 2 cores is half of it), the loop's median and their ratio.
 
     .venv/bin/python benchmarks/demo_dag.py
 """
@@ -13,6 +14,7 @@ busy over the run, the DAG's wall time, the loop's median and their ratio.
 from __future__ import annotations
 
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -55,16 +57,22 @@ def busy_cores(jobs: list[dict], total: float) -> str:
     return f"{held:.0f} of {2 * total:.0f} core-seconds held by jobs ({held / (2 * total):.0%})"
 
 
+def children_cpu() -> float:
+    """CPU seconds (user + system) of the child processes waited for so far, and theirs."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def main() -> None:
     for part in ("results", "logs", ".snakemake"):
         shutil.rmtree(REPO / part, ignore_errors=True)
     for folder in (REPO / "benchmarks").iterdir():  # per-job benchmark files, not the scripts
         if folder.is_dir() and folder.name != "__pycache__":
             shutil.rmtree(folder)
-    t0 = time.time()
+    t0, cpu0 = time.time(), children_cpu()
     res = subprocess.run([str(BIN / "snakemake"), "--cores", "2"], cwd=REPO,
                          capture_output=True, text=True)
-    total = time.time() - t0
+    total, cpu = time.time() - t0, children_cpu() - cpu0
     if res.returncode:
         sys.exit(res.stderr[-3000:])
     [log] = (REPO / ".snakemake" / "log").glob("*.snakemake.log")  # the run's own, clean log
@@ -74,14 +82,17 @@ def main() -> None:
         name = j["rule"] + (f" ({j['wildcards']})" if j["wildcards"] else "")
         print(f"{name:42} {j['start']:5.0f}  {j['end']:5.0f}  {j['end'] - j['start']:7.0f}"
               f"  {j['threads']:7d}")
-    plain = []
+    plain, plain_cpu = [], []
     for _ in range(3):
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), children_cpu()
         subprocess.run([sys.executable, "-c", PLAIN], cwd=REPO, check=True, capture_output=True)
         plain.append(time.perf_counter() - start)
+        plain_cpu.append(children_cpu() - cpu0)
     p = statistics.median(plain)
     print(busy_cores(jobs, total))
-    print(f"demo DAG, snakemake --cores 2 from scratch: {total:.1f} s")
+    print(f"demo DAG, snakemake --cores 2 from scratch: {total:.1f} s, CPU {cpu:.0f} s "
+          f"(half of it: {cpu / 2:.0f} s, {cpu / 2 / p:.1f}x the loop)")
+    print(f"plain loop's CPU: median {statistics.median(plain_cpu):.1f} s")
     print(f"plain torch-lr-finder loop, 100 iterations: median {p:.2f} s "
           f"(repeats: {', '.join(f'{x:.2f}' for x in plain)})")
     print(f"ratio DAG / loop: {total / p:.1f}")
