@@ -35,7 +35,10 @@ LOADER = {"num_classes": 1000, "ram_margin": 0.8, "process_baseline_bytes": int(
 def this_gpu() -> dict:
     """cuda:0 as the measured solve probes it, claimed (before CUDA starts) as a one-GPU entry
     of the model nvidia-smi names first."""
-    first = hardware.visible_devices()[0]
+    visible = hardware.visible_devices()
+    if not visible:
+        raise SystemExit("benchmarks/gpu.py needs a CUDA GPU: nvidia-smi shows none here.")
+    first = visible[0]
     here = {"name": "here", "accelerator": "gpu", "gpu_model": first["name"],
             "gpu_memory_gb": first["memory_gb"], "gpus_per_node": 1,
             "devices_per_node": 1, "nodes": 1, "cpus_per_node": 16, "ram_gb": 64}
@@ -49,6 +52,8 @@ def estimate_against_measurement():
     print(f"GPU: {gpu['name']}, {gpu['total'] / memory.GB:.1f} GB")
     print("entry  capacity GB  precision   estimated batch  (GB)   measured batch  (GB)  "
           "measured/estimated  seconds")
+    print("(GB: what each solve predicts at its batch; the measured one from the probes' fit, "
+          "what lies outside torch's allocator and what training holds beside a probe)")
     for name, precision in PRECISION.items():
         hw = dict(settings.cluster(config, name), gpu_model=gpu["name"])
         model = {**RESNET50, "precision": precision}

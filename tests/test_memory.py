@@ -282,6 +282,16 @@ def test_a_search_out_of_tries_says_so_not_that_nothing_fits():
     assert "Not even a batch of 1" not in msg and 1 not in step.calls
 
 
+def test_a_verification_out_of_tries_names_the_batch_it_tried():
+    step = simulated_gpu(capacity=10e9, jump_above=136, jump=3e9)
+    with pytest.raises(UserError) as err:
+        memory.measure(step, 0.85 * 10e9, [32, 64, 96], round_to=8, max_batch=1024,
+                       max_backoffs=0, what="test")
+    assert step.calls[-1] == 144
+    assert "stopped after 1 verifications" in str(err.value)
+    assert "the smallest at batch 144:" in str(err.value)
+
+
 def test_failed_verification_backs_off_to_a_batch_that_runs():
     # linear up to 136, then a step the probes never saw (e.g. another cuDNN algorithm)
     step = simulated_gpu(capacity=10e9, jump_above=136, jump=3e9)
@@ -319,16 +329,18 @@ def real_steps_on_the_cpu(calls: list[int]) -> dict:
             "step_factory": factory}
 
 
-@pytest.mark.parametrize("resolution, smallest", [(32, 2), (64, 1)])
+@pytest.mark.parametrize("resolution, smallest, probes", [(32, 2, "auto"), (64, 1, "auto"),
+                                                        (32, 2, [1, 2, 4])])
 def test_the_measured_solve_never_steps_below_the_smallest_trainable_batch(resolution,
-                                                                          smallest):
+                                                                          smallest, probes):
     """At 32 px ResNet's last map is 1x1, where batch norm refuses a batch of 1 in training:
-    the demo's measured solve on a GPU stopped at its warm-up step until it started at 2."""
+    the demo's measured solve on a GPU stopped at its warm-up step until it started at 2. A
+    probe named below it is raised to it."""
     config = settings.load()
     model = {"arch": "resnet18", "recipe": "demo", "resolution": resolution, "precision": "32",
              "channels_last": False}
     calls: list[int] = []
-    r = memory.solve(config["memory"] | {"mode": "measure"}, model,
+    r = memory.solve(config["memory"] | {"mode": "measure", "probe_batches": probes}, model,
                      settings.cluster(config, "g5"),
                      loader_report("g5", num_classes=10, resolution=resolution),
                      gpu_here=real_steps_on_the_cpu(calls))

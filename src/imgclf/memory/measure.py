@@ -226,12 +226,12 @@ def _verify(step, budget: float, batch: int, *, round_to: int, max_backoffs: int
     """The solved batch, or the first smaller one (a multiple of `round_to` while it can be),
     at which a real step fits the budget, with its peak; None when not even batch `smallest`
     does."""
-    for _ in range(max_backoffs + 1):
+    for attempt in range(max_backoffs + 1):
         peak = _try(step, batch, budget, "verification", events)
         if peak is not None:
             return batch, peak
-        if batch <= smallest:
-            break
+        if batch <= smallest or attempt == max_backoffs:
+            break  # `batch` is the last one tried, which the sentence names
         lower = batch - round_to if batch > round_to else batch // 2
         batch = max(smallest, round_down(lower, round_to) if lower >= round_to else lower)
     return batch, None

@@ -286,7 +286,8 @@ class NoiseScaleLog(Callback):
     steps at an epoch's end on a partial accumulation group, whose loss it still divides by the
     full accumulation, so that step's gradient is the share n/k of its micro-batches' mean. At
     the epoch's end one all-reduce of three numbers averages the ranks, and the ratio of the
-    epoch's means is B_simple (`train/noise_scale` in metrics.csv). Needs 2 or more ranks: one
+    epoch's means is B_simple (`train/noise_scale` in metrics.csv, logged with Lightning's
+    epoch sync, a barrier and an all-reduce or two). Needs 2 or more ranks: one
     rank has a single batch size. `small_batch`, `big_batch`: a full step's, as reported."""
 
     def __init__(self, small_batch: int, big_batch: int):
