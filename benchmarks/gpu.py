@@ -16,20 +16,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from imgclf import devices, hardware, memory, recipes, settings
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_estimate import LOADER  # noqa: E402 - the same loader-free report
+
 RESNET50 = {"arch": "resnet50", "recipe": "torchvision_v2", "resolution": 224,
             "channels_last": True}
 PRECISION = {"p3": "16-mixed", "g5": "bf16-mixed", "p4": "bf16-mixed"}
-LOADER = {"num_classes": 1000, "ram_margin": 0.8, "process_baseline_bytes": int(0.6e9),
-          "batch_bytes": 0, "note": None,
-          "choice": {"decoder": "tensor", "num_workers": 0, "prefetch_factor": 0},
-          "rows": [{"decoder": "tensor", "num_workers": 0, "prefetch_factor": 0,
-                    "images_per_s": 1.0, "chosen": True, "ram_bytes": int(0.6e9)}]}
 
 
 def this_gpu() -> dict:

@@ -18,6 +18,13 @@ from imgclf import memory, settings
 
 BATCHES = (16, 64, 128)
 NO_ALLOWANCES = {"fragmentation": 0.0, "cuda_context_gb": 0.0, "workspace_gb": 0.0}
+# the parts of a loader benchmark's report the solve reads, for a loader that costs nothing:
+# ImageNet's 1,000 classes, no workers, the process's baseline RAM alone
+LOADER = {"num_classes": 1000, "ram_margin": 0.8, "process_baseline_bytes": int(0.6e9),
+          "batch_bytes": 0, "note": None,
+          "choice": {"decoder": "tensor", "num_workers": 0, "prefetch_factor": 0},
+          "rows": [{"decoder": "tensor", "num_workers": 0, "prefetch_factor": 0,
+                    "images_per_s": 1.0, "chosen": True, "ram_bytes": int(0.6e9)}]}
 
 
 def estimate_against_fake_count():
@@ -40,11 +47,6 @@ def solved_batches():
     """As `imgclf solve-memory` solves them (estimate), with no cap on the batch."""
     config = settings.load()
     mem = config["memory"] | {"mode": "estimate", "max_batch": 4096}
-    loader = {"num_classes": 1000, "ram_margin": 0.8, "process_baseline_bytes": int(0.6e9),
-              "batch_bytes": 0, "note": None,
-              "choice": {"decoder": "tensor", "num_workers": 0, "prefetch_factor": 0},
-              "rows": [{"decoder": "tensor", "num_workers": 0, "prefetch_factor": 0,
-                        "images_per_s": 1.0, "chosen": True, "ram_bytes": int(0.6e9)}]}
     entries = {name: settings.cluster(config, name) for name in ("p3", "g5", "p4")}
     entries["V100 32 GB"] = dict(entries["p3"], name="v100-32", gpu_memory_gb=32)
     print("\nentry       GPU memory  precision  per-device batch  predicted GB  of which "
@@ -53,7 +55,7 @@ def solved_batches():
         for precision in ("32", "16-mixed"):
             model = {"arch": "resnet50", "recipe": "goyal", "resolution": 224,
                      "precision": precision, "channels_last": True}
-            r = memory.solve(mem, model, hw, {**loader, "cluster": hw["name"]})
+            r = memory.solve(mem, model, hw, {**LOADER, "cluster": hw["name"]})
             print(f"{name:<11} {hw['gpu_memory_gb']:>7} GB  {precision:<10} "
                   f"{r['per_device_batch']:>16}  {r['predicted_gpu_bytes'] / 1e9:>12.2f}  "
                   f"{r['breakdown']['activations'] / 1e9:>10.2f}")
