@@ -5,14 +5,18 @@ digits) in this checkout after removing its results, logs, Snakemake records and
 benchmark files; then a plain `LRFinder.range_test` loop of 100 iterations (ResNet-18 at 32 px,
 batch 64, benchmarks/lr_finder.py's) three times, each a fresh process. Prints each job's start
 and end (Snakemake's one-second time stamps, from the start of the run), how many cores were
-busy over the run, the DAG's wall time and CPU time (user + system of every process it waited
-for: a floor for its wall time on 2 cores is half of it), the loop's median and their ratio.
+busy over the run, the DAG's wall time and CPU time (user + system of every process it started,
+those orphaned on the way included: a floor for its wall time on 2 cores is half of it), the
+loop's median and their ratio, and what one job pays before its work: a fresh process importing
+torch and torchvision (median of 3).
 
     .venv/bin/python benchmarks/demo_dag.py
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
 import resource
 import shutil
@@ -28,6 +32,7 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from lr_finder import PLAIN  # noqa: E402 - the loop it times
 
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
 
 
@@ -57,10 +62,34 @@ def busy_cores(jobs: list[dict], total: float) -> str:
     return f"{held:.0f} of {2 * total:.0f} core-seconds held by jobs ({held / (2 * total):.0%})"
 
 
+def adopt_orphans() -> None:
+    """Make this process the parent of any descendant whose own parent exits first, so that its
+    CPU time reaches RUSAGE_CHILDREN once reaped: Lightning's rank 0 exits before the rank it
+    started, which the init process would otherwise reap uncounted."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
+        sys.exit(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
+
+
+def reap_orphans() -> None:
+    """Wait for the orphaned descendants adopted since the last call (see adopt_orphans)."""
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
 def children_cpu() -> float:
     """CPU seconds (user + system) of the child processes waited for so far, and theirs."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
+
+
+def seconds_to_import_torch() -> float:
+    """Wall seconds of a fresh interpreter importing torch and torchvision, as each job does."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, torchvision"], check=True)
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -69,10 +98,13 @@ def main() -> None:
     for folder in (REPO / "benchmarks").iterdir():  # per-job benchmark files, not the scripts
         if folder.is_dir() and folder.name != "__pycache__":
             shutil.rmtree(folder)
+    adopt_orphans()
     t0, cpu0 = time.time(), children_cpu()
     res = subprocess.run([str(BIN / "snakemake"), "--cores", "2"], cwd=REPO,
                          capture_output=True, text=True)
-    total, cpu = time.time() - t0, children_cpu() - cpu0
+    total = time.time() - t0
+    reap_orphans()
+    cpu = children_cpu() - cpu0
     if res.returncode:
         sys.exit(res.stderr[-3000:])
     [log] = (REPO / ".snakemake" / "log").glob("*.snakemake.log")  # the run's own, clean log
@@ -96,6 +128,8 @@ def main() -> None:
     print(f"plain torch-lr-finder loop, 100 iterations: median {p:.2f} s "
           f"(repeats: {', '.join(f'{x:.2f}' for x in plain)})")
     print(f"ratio DAG / loop: {total / p:.1f}")
+    start_up = statistics.median(seconds_to_import_torch() for _ in range(3))
+    print(f"a job's start-up, importing torch and torchvision: median {start_up:.2f} s")
 
 
 if __name__ == "__main__":
