@@ -202,13 +202,20 @@ def submit_line(resources: dict, threads: int = 2, partition: str = "debug",
     return get_submit_command(job, params) + set_gres_string(job)
 
 
+LOGIN_CORES = 2  # a login node's cores, fewer than a node of any GPU entry the tests plan
+
+
 def jobs_under_slurm(work: Path, entry: str, *targets: str, configfiles=()) -> list[dict]:
     """Each job a dry run plans for hardware entry `entry` (rule, threads, resources), with the
     resources its rules ask for under Slurm: a dry run of the Snakemake inside a Slurm job (its
     remote mode, SLURM_JOB_ID set), where slurm_jobs.on_slurm holds as in the Snakemake that submits
-    the job; a plain dry run evaluates the rules for this machine. Resources computed from an
-    input that does not exist yet (the training's time, from its forecast) are left out."""
-    res = subprocess.run([SNAKEMAKE, "-n", "--mode", "remote", *targets,
+    the job; a plain dry run evaluates the rules for this machine, and the submitting one's own
+    dry run for none. Its threads are capped as the submitting Snakemake caps them, at its
+    --cores (`cores: all` of profiles/default), here those of a login node of LOGIN_CORES.
+    Resources computed from an input that does not exist yet (the training's time, from its
+    forecast) are left out."""
+    res = subprocess.run([SNAKEMAKE, "-n", "--mode", "remote", "--cores", str(LOGIN_CORES),
+                          *targets,
                           *(a for f in configfiles for a in ("--configfile", f)),
                           "--config", f"cluster={entry}"], cwd=work, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "SLURM_JOB_ID": "1"})

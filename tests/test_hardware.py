@@ -653,6 +653,23 @@ def test_each_gpu_stage_claims_its_gpu_before_it_checks_the_build(stage, solve_c
     assert os.environ["CUDA_VISIBLE_DEVICES"] == GPUS[0]["uuid"]
 
 
+def test_the_loader_benchmark_pins_on_a_gpu_of_its_entry_it_claimed(nvidia_smi, claims_undone,
+                                                                    cuda_device, demo_root):
+    """Training pins its batches on a GPU, so the loader benchmark of a GPU entry times pinned
+    loaders too; the CUDA context pinning opens must land on a GPU the job claimed, of the
+    entry's model on a node of mixed GPUs (p4's A100), not on whoever's GPU 0. An entry of CPU
+    ranks claims nothing and pins nothing."""
+    from imgclf import loader_bench
+
+    cuda_device("NVIDIA A100-SXM4-40GB", (8, 0))
+    model = {"recipe": "demo", "resolution": 32}
+    setup = loader_bench.prepare(str(demo_root), settings.load()["loader"], model, entry("p4"))
+    assert setup.pin is True and os.environ["CUDA_VISIBLE_DEVICES"] == A100_UUID
+    cpu_ranks = {**entry("p4"), "name": "cpus", "accelerator": "cpu"}
+    assert loader_bench.prepare(str(demo_root), settings.load()["loader"], model,
+                                cpu_ranks).pin is False
+
+
 def test_the_memory_solve_refuses_emulated_bf16(solve_claims_here, cuda_device):
     """From the entry's GPU model before anything is counted (p3's V100), and from the device's
     capability where the entry names a GPU model this project does not know."""

@@ -31,8 +31,10 @@ SHAPES_YAML = CLUSTER_YAML.split("\nloader:")[0] + """
 GPU_ENTRIES = {"a10g1": ("a10g", 1), "g5": ("a10g", 4), "p4x2": ("a100", 8)}
 CPU_ENTRIES = ("ci1x1", "ci2x1")
 # the jobs that run on the entry's GPUs: one GPU each, or the training's shape
-ONE_GPU = {"lr_find", "noise_scale", "solve_memory", "evaluate", "batch_lr_find"}
+ONE_GPU = {"benchmark_loader", "lr_find", "noise_scale", "solve_memory", "evaluate",
+           "batch_lr_find"}
 TRAINING = {"train_model", "validate_lr_run", "batch_run"}
+NODE_CPUS = {"check_hydration", "benchmark_loader", "evaluate"}  # decode on each of the node's CPUs
 GPU_REQUEST = re.compile(r" --gpus=| --gres=gpu")
 
 
@@ -80,6 +82,23 @@ def test_every_job_asks_for_the_entrys_gpus_or_none(planned):
         assert not [line for _, line in lines[name] if GPU_REQUEST.search(line)], name
         assert {"lr_find", "noise_scale", "batch_lr_find", *TRAINING} <= \
             {rule for rule, _ in lines[name]}
+
+
+def test_jobs_that_take_a_node_ask_for_its_cpus_from_a_smaller_login_node(planned):
+    """The hydration check, the loader benchmark and the evaluation ask Slurm for every CPU of
+    their entry's node (p4x2: 96, a10g1: 8), the trainings for theirs per task, whatever the
+    cores of the machine that submits them (LOGIN_CORES), at which Snakemake caps threads."""
+    _, lines = planned
+    config = settings.load([planned[0] / "shapes.yaml"])
+    for name in (*GPU_ENTRIES, *CPU_ENTRIES):
+        cpus = settings.cluster(config, name)["cpus_per_node"]
+        for rule, line in lines[name]:
+            if rule in NODE_CPUS:
+                assert f" --cpus-per-task={cpus} " in line, (name, line)
+        per_task = {re.search(r"--cpus-per-task=(\d+)", line)[1]
+                    for rule, line in lines[name] if rule in TRAINING}
+        devices = GPU_ENTRIES.get(name, (None, 1))[1]
+        assert per_task == {str(max(1, cpus // devices))}, (name, per_task)
 
 
 def test_the_cluster_accepts_every_job_of_each_shape(cluster, planned):

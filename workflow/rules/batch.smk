@@ -32,8 +32,9 @@ rule batch_lr_find:
     benchmark:
         "benchmarks/batch_lr/{cluster}_x{multiple}.tsv"
     # CPU ranks: the machine's CPUs (one job at a time); a GPU: one, as an LR run
-    threads: lambda wc: hw(wc)["cpus_per_node"] if hw(wc)["accelerator"] == "cpu" else 1
+    threads: cpu_rank_cpus
     resources:
+        **slurm_cpus(cpu_rank_cpus),
         **gpu_job_resources(one_device),
     params:
         p=lambda wc: slices.batch_lr_params(config, wc.cluster, wc.multiple),

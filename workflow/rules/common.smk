@@ -46,6 +46,30 @@ def one_device(wildcards):
     return int(hw(wildcards)["accelerator"] != "cpu")
 
 
+def node_cpus(wildcards):
+    """Threads of a job that takes its node's CPUs: the entry's `cpus_per_node`."""
+    return hw(wildcards)["cpus_per_node"]
+
+
+def cpu_rank_cpus(wildcards):
+    """Threads of a job that computes on one device: a node's CPUs for an entry of CPU ranks,
+    one beside a GPU, which computes."""
+    return node_cpus(wildcards) if hw(wildcards)["accelerator"] == "cpu" else 1
+
+
+def slurm_cpus(threads):
+    """Resources asking Slurm for the CPUs `threads(wildcards)` names (--cpus-per-task, which the
+    plugin takes before a job's threads); unset outside Slurm. The submitting Snakemake caps a
+    rule's threads at its --cores, `cores: all` of profiles/default, which a --profile cannot
+    override: on a login node, fewer CPUs than a compute node has. Inside the allocation the
+    job runs with `--cores all`, its CPUs, and so gets its threads back."""
+    return {
+        "cpus_per_task": lambda wc: (
+            threads(wc) if slurm_jobs.workflow_on_slurm(workflow) else None
+        )
+    }
+
+
 def hw(wildcards):
     """Hardware entry of the job's cluster, `auto` values resolved on this machine."""
     return settings.cluster(config, wildcards.cluster)

@@ -30,7 +30,9 @@ rule forecast:
         "results/forecast/{cluster}.json",
     log:
         "logs/forecast/{cluster}.log",
-    threads: lambda wc: hw(wc)["cpus_per_node"] if hw(wc)["accelerator"] == "cpu" else 1
+    threads: cpu_rank_cpus
+    resources:
+        **slurm_cpus(cpu_rank_cpus),
     params:
         p=lambda wc: slices.forecast_params(config, wc.cluster),
     script:

@@ -28,7 +28,9 @@ checkpoint check_hydration:
         ),
     log:
         "logs/hydration/{cluster}.log",
-    threads: lambda wc: hw(wc)["cpus_per_node"]  # images are decoded on every CPU
+    threads: node_cpus  # images are decoded on every CPU
+    resources:
+        **slurm_cpus(node_cpus),
     params:
         p=lambda wc: slices.hydration_params(config, wc.cluster),
     script:

@@ -6,7 +6,7 @@ rule benchmark_loader:
     input:
         verdict=hydration_verdict,
         index=train_index,
-        code=code("loader_bench", *READS_IMAGES, "plots"),
+        code=code("loader_bench", *READS_IMAGES, "devices", "plots"),
     output:
         json=report(
             "results/loader/{cluster}.json",
@@ -27,7 +27,11 @@ rule benchmark_loader:
         "logs/loader/{cluster}.log",
     benchmark:
         "benchmarks/loader/{cluster}.tsv"
-    threads: lambda wc: hw(wc)["cpus_per_node"]  # timing needs the machine to itself
+    threads: node_cpus  # timing needs the machine to itself
+    resources:
+        **slurm_cpus(node_cpus),
+        # a GPU entry's loaders pin memory, as training's do, on a GPU the job claims
+        **gpu_job_resources(one_device),
     params:
         p=lambda wc: slices.loader_params(config, wc.cluster),
         census=verdict_census,

@@ -14,6 +14,7 @@ rule lr_find:
         "benchmarks/lr_find/{cluster}_run{run}.tsv"
     threads: lr_run_threads
     resources:
+        **slurm_cpus(lr_run_threads),
         **gpu_job_resources(one_device),
     params:
         p=lambda wc: slices.lr_find_params(config, wc.cluster),

@@ -30,8 +30,9 @@ rule noise_scale:
     benchmark:
         "benchmarks/noise_scale/{cluster}.tsv"
     # CPU ranks: the machine's CPUs (one job); a GPU: one, as an LR run
-    threads: lambda wc: hw(wc)["cpus_per_node"] if hw(wc)["accelerator"] == "cpu" else 1
+    threads: cpu_rank_cpus
     resources:
+        **slurm_cpus(cpu_rank_cpus),
         **gpu_job_resources(one_device),
     params:
         p=lambda wc: slices.noise_scale_params(config, wc.cluster),

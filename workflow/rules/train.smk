@@ -84,8 +84,9 @@ rule evaluate:
         ),
     log:
         "logs/eval/{cluster}.log",
-    threads: lambda wc: hw(wc)["cpus_per_node"]
+    threads: node_cpus
     resources:
+        **slurm_cpus(node_cpus),
         **gpu_job_resources(one_device),
     params:
         p=lambda wc: json.dumps(

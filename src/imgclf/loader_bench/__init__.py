@@ -23,7 +23,7 @@ import psutil
 import torch
 from imgclf.progress import progress
 
-from imgclf import data, hardware, plots, provenance, recipes
+from imgclf import data, devices, hardware, plots, provenance, recipes
 from imgclf.errors import UserError
 from imgclf.loader_bench.choice import (baseline_block, choice_block, choose, cost,
                                         decoder_bests, describe_config)
@@ -81,6 +81,17 @@ def plan(loader: dict, workers: list[int]) -> list[tuple[str, int, int, str]]:
     return out
 
 
+def pins_memory(hw: dict) -> bool:
+    """Whether the timed loaders pin memory, as training's do on a GPU: for an entry of GPUs,
+    where this machine has one, on a GPU of the entry's model claimed as every GPU stage claims
+    one (devices.claim_gpus), so that the CUDA context pinning opens lands on a GPU this job
+    holds, not on GPU 0 whoever uses it."""
+    if hw["accelerator"] != "gpu":
+        return False
+    devices.claim_gpus(1, f"The loader benchmark of cluster {hw['name']!r}", hw)
+    return torch.cuda.is_available()
+
+
 def prepare(source: str, loader: dict, model: dict, hw: dict) -> Setup:
     """The batch, RAM budget, worker grid, plan and data sets of one run."""
     recipe = recipes.get(model["recipe"])
@@ -93,7 +104,7 @@ def prepare(source: str, loader: dict, model: dict, hw: dict) -> Setup:
               cpus_device=cpus_device, batch=batch,
               batch_bytes=data.sample_batch_bytes(batch, recipe.train_size(model["resolution"])),
               budget=hw["ram_gb"] * GB * loader["ram_margin"] / hw["devices_per_node"],
-              kind=rss_kind(), pin=hw["accelerator"] == "gpu" and torch.cuda.is_available(),
+              kind=rss_kind(), pin=pins_memory(hw),
               plan=plan(loader, workers))
     for decoder in dict.fromkeys([*loader["decoders"], *(c[0] for c in s.plan)]):
         s.datasets[decoder] = data.train_dataset(source, decoder, s.resolution, recipe)
