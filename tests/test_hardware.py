@@ -654,15 +654,29 @@ def test_each_gpu_stage_claims_its_gpu_before_it_checks_the_build(stage, solve_c
 
 
 def test_the_loader_benchmark_pins_on_a_gpu_of_its_entry_it_claimed(nvidia_smi, claims_undone,
-                                                                    cuda_device, demo_root):
+                                                                    cuda_device, demo_root,
+                                                                    monkeypatch):
     """Training pins its batches on a GPU, so the loader benchmark of a GPU entry times pinned
     loaders too; the CUDA context pinning opens must land on a GPU the job claimed, of the
     entry's model on a node of mixed GPUs (p4's A100), not on whoever's GPU 0. An entry of CPU
     ranks claims nothing and pins nothing."""
+    import torch
+
     from imgclf import loader_bench
 
-    cuda_device("NVIDIA A100-SXM4-40GB", (8, 0))
+    class ReachedCuda(Exception):
+        pass
+
+    def reached_cuda():
+        raise ReachedCuda(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
     model = {"recipe": "demo", "resolution": 32}
+    cuda_device("NVIDIA A100-SXM4-40GB", (8, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", reached_cuda)  # CUDA's first call
+    with pytest.raises(ReachedCuda) as visible:
+        loader_bench.prepare(str(demo_root), settings.load()["loader"], model, entry("p4"))
+    assert str(visible.value) == A100_UUID  # claimed before it
+    cuda_device("NVIDIA A100-SXM4-40GB", (8, 0))
     setup = loader_bench.prepare(str(demo_root), settings.load()["loader"], model, entry("p4"))
     assert setup.pin is True and os.environ["CUDA_VISIBLE_DEVICES"] == A100_UUID
     cpu_ranks = {**entry("p4"), "name": "cpus", "accelerator": "cpu"}

@@ -114,7 +114,7 @@ def test_no_configuration_fitting_is_one_sentence():
     assert one_sentence(str(err.value))
 
 
-def test_planning_a_bigger_cluster_measures_what_this_machine_has(demo_root):
+def test_planning_a_bigger_cluster_measures_what_this_machine_has(demo_root, claims_undone):
     """A cluster with more CPUs per device than this machine: only measurable worker counts,
     marked as this machine's figures, and the baseline skipped when it is switched off."""
     here = hardware.usable_cpus()

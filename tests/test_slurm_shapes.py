@@ -1,10 +1,11 @@
 """Where users submit: every job of hardware entries of 1 GPU, 4 GPUs and 2 nodes of 8 GPUs, and
-of entries of CPU ranks on 1 and 2 nodes, as the rules ask Slurm for it, and the sbatch lines
-the plugin builds from those requests (any machine); then those lines judged by the real
-slurmctld of the throw-away cluster (slurm_cluster.py), without running them: its partition of
-typed GPUs accepts every job of the GPU entries, its CPU partition, which has no GPU, every job
-of the CPU entries, and it refuses a GPU request there; and a one-task entry's training run
-through the cluster."""
+of entries of CPU ranks on 1 and 2 nodes and on a node of 8 CPUs, as the rules ask Slurm for it
+from a login node of fewer cores, and the sbatch lines the plugin builds from those requests
+(any machine); then those lines judged by the real slurmctld of the throw-away cluster
+(slurm_cluster.py), without running them: its partition of typed GPUs accepts every job of the
+GPU entries (and of the 8-CPU entry, whose nodes only it has), its CPU partition, which has no
+GPU, every job of the other CPU entries, and it refuses a GPU request there; and a one-task
+entry's training run through the cluster."""
 
 from __future__ import annotations
 
@@ -27,14 +28,20 @@ SHAPES_YAML = CLUSTER_YAML.split("\nloader:")[0] + """
           ram_gb: 32}
   p4x2: {gpus_per_node: 8, gpu_model: A100, gpu_memory_gb: 40, nodes: 2, cpus_per_node: 96,
          ram_gb: 1152}
+  cpu8: {gpus_per_node: 0, gpu_model: auto, gpu_memory_gb: auto, nodes: 1, cpus_per_node: 8,
+         ram_gb: 16, cpu_processes: 2}
 """
 GPU_ENTRIES = {"a10g1": ("a10g", 1), "g5": ("a10g", 4), "p4x2": ("a100", 8)}
-CPU_ENTRIES = ("ci1x1", "ci2x1")
+CPU_ENTRIES = ("ci1x1", "ci2x1", "cpu8")
+# where slurmctld judges each entry's jobs: only the GPU partition's nodes have 8 CPUs or more
+PARTITION = {**dict.fromkeys(GPU_ENTRIES, GPU_PARTITION), "ci1x1": "debug", "ci2x1": "debug",
+             "cpu8": GPU_PARTITION}
 # the jobs that run on the entry's GPUs: one GPU each, or the training's shape
 ONE_GPU = {"benchmark_loader", "lr_find", "noise_scale", "solve_memory", "evaluate",
            "batch_lr_find"}
 TRAINING = {"train_model", "validate_lr_run", "batch_run"}
 NODE_CPUS = {"check_hydration", "benchmark_loader", "evaluate"}  # decode on each of the node's CPUs
+CPU_RANK = {"noise_scale", "forecast", "batch_lr_find"}  # compute on the node's CPUs without GPUs
 GPU_REQUEST = re.compile(r" --gpus=| --gres=gpu")
 
 
@@ -58,7 +65,7 @@ def planned(tmp_path_factory):
                 res.update(runtime=slurm_jobs.train_runtime(str(forecast), hw),
                            slurm_extra=slurm_jobs.train_slurm_extra(str(forecast), hw))
             line = submit_line(with_profile(job["rule"], res), job["threads"],
-                               GPU_PARTITION if name in GPU_ENTRIES else "debug", str(work))
+                               PARTITION[name], str(work))
             lines[name].append((job["rule"], line))
     return work, lines
 
@@ -86,19 +93,26 @@ def test_every_job_asks_for_the_entrys_gpus_or_none(planned):
 
 def test_jobs_that_take_a_node_ask_for_its_cpus_from_a_smaller_login_node(planned):
     """The hydration check, the loader benchmark and the evaluation ask Slurm for every CPU of
-    their entry's node (p4x2: 96, a10g1: 8), the trainings for theirs per task, whatever the
-    cores of the machine that submits them (LOGIN_CORES), at which Snakemake caps threads."""
-    _, lines = planned
-    config = settings.load([planned[0] / "shapes.yaml"])
+    their entry's node (p4x2: 96, a10g1: 8), and so do the noise scale and the forecast of an
+    entry of CPU ranks (cpu8: 8; its 2 LR runs 4 each, side by side), the trainings for theirs
+    per task, whatever the cores of the machine that submits them (LOGIN_CORES), at which
+    Snakemake caps threads; each with its share of 90 % of the node's RAM (p4x2: 10,299 MiB per
+    CPU), not the profile's 4 GB for a job."""
+    work, lines = planned
+    config = settings.load([work / "shapes.yaml"])
     for name in (*GPU_ENTRIES, *CPU_ENTRIES):
-        cpus = settings.cluster(config, name)["cpus_per_node"]
+        hw = settings.cluster(config, name)
+        cpus, cpu_ranks = hw["cpus_per_node"], hw["accelerator"] == "cpu"
+        want = {rule: cpus for rule in NODE_CPUS | (CPU_RANK if cpu_ranks else set())}
+        if cpu_ranks:
+            want["lr_find"] = max(1, cpus // config["lr_finder"]["runs"])
+        want.update(dict.fromkeys(TRAINING, max(1, cpus // hw["devices_per_node"])))
         for rule, line in lines[name]:
-            if rule in NODE_CPUS:
-                assert f" --cpus-per-task={cpus} " in line, (name, line)
-        per_task = {re.search(r"--cpus-per-task=(\d+)", line)[1]
-                    for rule, line in lines[name] if rule in TRAINING}
-        devices = GPU_ENTRIES.get(name, (None, 1))[1]
-        assert per_task == {str(max(1, cpus // devices))}, (name, per_task)
+            if rule in want:
+                assert f" --cpus-per-task={want[rule]} " in line, (name, line)
+                assert "--mem-per-cpu " in line and " --mem " not in line, (name, line)
+            if name == "p4x2" and rule in NODE_CPUS | TRAINING:
+                assert "--mem-per-cpu 10299 " in line, line
 
 
 def test_the_cluster_accepts_every_job_of_each_shape(cluster, planned):

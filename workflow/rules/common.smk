@@ -58,15 +58,19 @@ def cpu_rank_cpus(wildcards):
 
 
 def slurm_cpus(threads):
-    """Resources asking Slurm for the CPUs `threads(wildcards)` names (--cpus-per-task, which the
-    plugin takes before a job's threads); unset outside Slurm. The submitting Snakemake caps a
-    rule's threads at its --cores, `cores: all` of profiles/default, which a --profile cannot
-    override: on a login node, fewer CPUs than a compute node has. Inside the allocation the
-    job runs with `--cores all`, its CPUs, and so gets its threads back."""
+    """Resources of a job that computes on `threads(wildcards)` CPUs of its node, one lambda per
+    key of slurm_jobs.cpu_resources: under Slurm those CPUs and their share of the node's memory,
+    unset elsewhere. The submitting Snakemake caps a rule's threads at its --cores, `cores: all`
+    of profiles/default, which a --profile cannot override: on a login node, fewer CPUs than a
+    compute node has. Inside the allocation the job runs with `--cores all`, its CPUs, and so
+    gets its threads back."""
     return {
-        "cpus_per_task": lambda wc: (
-            threads(wc) if slurm_jobs.workflow_on_slurm(workflow) else None
+        key: (
+            lambda wc, key=key: slurm_jobs.cpu_resources(
+                hw(wc), threads(wc), slurm_jobs.workflow_on_slurm(workflow)
+            )[key]
         )
+        for key in slurm_jobs.CPU_RESOURCE_KEYS
     }
 
 

@@ -96,6 +96,8 @@ TRAIN_RESOURCE_KEYS = ("gpu", "launch", "mpi", "nodes", "tasks", "tasks_per_node
                        "tasks_per_gpu", "gres", "constraint", "cpus_per_task", "mem_mb_per_cpu")
 # The Snakemake resources of a job that asks for GPUs of its entry's model on one node
 GPU_RESOURCE_KEYS = ("gpu", "gpu_model", "constraint")
+# The Snakemake resources of a one-node job that computes on CPUs of its entry's node
+CPU_RESOURCE_KEYS = ("cpus_per_task", "mem_mb_per_cpu")
 # Slurm names a GPU type with letters, digits, `_` and `.` (the plugin's own check)
 GPU_TYPE = re.compile(r"[A-Za-z0-9_.]+")
 
@@ -164,6 +166,19 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
         "launch": launch,
         "mpi": launch if world > 1 else "",
     }
+def cpu_resources(cluster: dict, cpus: int, slurm: bool) -> dict:
+    """Snakemake resources of a one-node job that computes on `cpus` of its entry's node's CPUs
+    (a None value leaves the resource unset, as it is outside Slurm). Under Slurm those CPUs
+    (--cpus-per-task, which the plugin takes before the job's threads: the submitting
+    Snakemake caps threads at its own --cores, a login node's) and the node's memory in
+    proportion, at the training's share of it (--mem-per-cpu): a job of every CPU of a p4 node
+    decodes in 96 processes, beyond the profile's default `mem_mb`."""
+    if not slurm:
+        return dict.fromkeys(CPU_RESOURCE_KEYS)
+    per_cpu = train_layout(cluster)["mem_mb_per_node"] // int(cluster["cpus_per_node"])
+    return {"cpus_per_task": cpus, "mem_mb_per_cpu": per_cpu}
+
+
 def train_resource(workflow, cluster: dict, key: str):
     """One of train_resources, as the rule's resource lambdas ask for it."""
     return train_resources(cluster, workflow_on_slurm(workflow))[key]
