@@ -4,10 +4,10 @@ Times the recipe's real training pipeline (decode, RandomResizedCrop, flip, conv
 normalisation, collation, and for an entry of GPUs pinned memory on a GPU it claims) for a grid
 of `num_workers` x `prefetch_factor` and both decode paths, measures the memory of the main
 process plus its workers, and chooses the cheapest configuration within `loader.tolerance` of
-the best throughput whose RAM fits the per-device budget. The `loader.baseline` configuration is timed
-beside it, so the report gives the gain over it as a measured figure. Nothing is extrapolated:
-a cluster with more CPUs than this machine is measured with the CPUs this machine has, and the
-report says so.
+the best throughput whose RAM fits the per-device budget. The `loader.baseline` configuration
+is timed beside it, so the report gives the gain over it as a measured figure. Nothing is
+extrapolated: a cluster with more CPUs than this machine is measured with the CPUs this machine
+has, and the report says so.
 
 `run` is the `benchmark_loader` rule; `benchmark` returns the report without writing it.
 """

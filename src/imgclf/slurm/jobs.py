@@ -166,6 +166,8 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
         "launch": launch,
         "mpi": launch if world > 1 else "",
     }
+
+
 def cpu_resources(cluster: dict, cpus: int, slurm: bool) -> dict:
     """Snakemake resources of a one-node job that computes on `cpus` of its entry's node's CPUs
     (a None value leaves the resource unset, as it is outside Slurm). Under Slurm those CPUs
