@@ -38,6 +38,7 @@ slurm_jobs.declare_gpu_pool(workflow)
 # and every rule runs in that environment. tests/test_reproducibility.py accepts that remark and
 # no other.
 include: "workflow/rules/common.smk"
+include: "workflow/rules/resources.smk"
 include: "workflow/rules/demo.smk"
 include: "workflow/rules/hydration.smk"
 include: "workflow/rules/loader.smk"

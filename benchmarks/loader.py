@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     print(f"machine: {here['cpu_model']} x{here['cpus']} CPUs, {here['ram_gb']} GB RAM, "
           f"GPUs: {', '.join(g['name'] for g in here['gpus']) or 'none'}")
     print(f"cluster {args.cluster}: {hw['devices_per_node']} devices/node, "
-          f"{loader_bench.cpus_per_device(hw)} CPUs per device; batch {args.batch_size} at "
+          f"{hardware.device_cpus(hw)} CPUs per device; batch {args.batch_size} at "
           f"{args.resolution} px ({args.recipe} transforms)")
     model = {"recipe": args.recipe, "resolution": args.resolution}
     report = loader_bench.benchmark(str(args.root), cfg, model, hw)

@@ -315,11 +315,9 @@ def claims_undone(tmp_path, monkeypatch):
     in a folder of the test's own and closed with the test, the environment variables it sets
     restored as they were (set, then deleted: a delenv of an unset variable records nothing to
     restore)."""
-    import tempfile
-
     from imgclf import devices
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(devices, "LOCK_DIR", tmp_path / "imgclf-gpu-locks")
     for name in (devices.CLAIM_ENV, "CUDA_VISIBLE_DEVICES"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)

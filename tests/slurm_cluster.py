@@ -181,7 +181,7 @@ def with_profile(rule: str, resources: dict) -> dict:
 
     defaults = dict(item.split("=", 1) for item in PROFILE["default-resources"])
     defaults = {k: int(v) if v.isdigit() else v for k, v in defaults.items()}
-    overrides = {k: value(v) for k, v in PROFILE["set-resources"].get(rule, {}).items()}
+    overrides = {k: value(v) for k, v in PROFILE.get("set-resources", {}).get(rule, {}).items()}
     return {**defaults, **resources, **overrides}
 
 

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import psutil
@@ -18,15 +19,29 @@ from conftest import REPO, one_sentence
 from imgclf import hardware, memory, settings, slices
 from imgclf.slurm import jobs as slurm_jobs
 
-A100_UUID = "GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77"
+# The stand-in GPUs of this test process: jobs lock a GPU in the machine's one lock folder
+# (devices.LOCK_DIR) by its UUID, so each test process's GPUs have UUIDs of their own, and the
+# tests of another pytest-xdist worker never hold them.
+RUN = uuid.uuid4().hex[:12]
+A100_UUID = f"GPU-5d5ba0d6-d33d-2b2c-524d-{RUN}"
 MIG_UUID = "MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f"
 GPUS = [
-    {"name": "NVIDIA A10G", "mib": 23028, "uuid": "GPU-1111aaaa-0000-0000-0000-000000000000"},
-    {"name": "NVIDIA A10G", "mib": 23028, "uuid": "GPU-2222bbbb-0000-0000-0000-000000000000"},
+    {"name": "NVIDIA A10G", "mib": 23028, "uuid": f"GPU-1111aaaa-0000-0000-0000-{RUN}"},
+    {"name": "NVIDIA A10G", "mib": 23028, "uuid": f"GPU-2222bbbb-0000-0000-0000-{RUN}"},
     {"name": "NVIDIA A100-SXM4-40GB", "mib": 40960, "uuid": A100_UUID,
      "migs": [{"profile": "3g.20gb", "uuid": MIG_UUID},
               {"profile": "1g.5gb", "uuid": "MIG-0000aaaa-42e4-5de3-91c7-45d71c87eb3f"}]},
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def locks_removed():
+    """The lock files this module's jobs made in the machine's lock folder, removed at its end."""
+    yield
+    from imgclf import devices
+
+    for gpu in GPUS:
+        (devices.LOCK_DIR / f"{gpu['uuid']}.lock").unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -97,10 +112,25 @@ def test_auto_entry_resolves_in_gb(nvidia_smi, monkeypatch):
 
 
 def test_slurm_memory_request_converts_gb_to_slurms_mib():
-    layout = slurm_jobs.train_layout({"nodes": 1, "devices_per_node": 8, "gpus_per_node": 8,
-                                 "cpus_per_node": 96, "ram_gb": 100})
+    entry = {"nodes": 1, "devices_per_node": 8, "gpus_per_node": 8, "cpus_per_node": 96,
+             "ram_gb": 100}
     # 90 % of 100 GB = 90e9 bytes = 85830 MiB (Slurm's MB), not 92160
-    assert layout["mem_mb_per_node"] == 85830
+    assert slurm_jobs.node_memory_mb(entry) == 85830
+    # a task of 12 CPUs asks for 85830 / 96 per CPU: 894, one device's share, 10,728 MiB
+    assert slurm_jobs.train_layout(entry)["mem_mb_per_cpu"] == 894
+
+
+def test_a_job_of_one_device_gets_its_share_where_cpus_do_not_divide():
+    """10 CPUs for 4 GPUs: a job of one GPU gets 2 CPUs and a quarter of the node's memory (not
+    2/10 of it, less than its loader plan's share); a job of the node, the node's; a job of
+    one CPU, its CPU's share (a per-CPU figure divided by the node's CPUs, never the job's)."""
+    entry = {"nodes": 1, "devices_per_node": 4, "gpus_per_node": 4, "cpus_per_node": 10,
+             "ram_gb": 100}
+    node = slurm_jobs.node_memory_mb(entry)
+    assert hardware.device_cpus(entry) == 2
+    assert 2 * slurm_jobs.memory_mb_per_cpu(entry, 2) == pytest.approx(node / 4, abs=2)
+    assert 10 * slurm_jobs.memory_mb_per_cpu(entry, 10) == pytest.approx(node, abs=10)
+    assert slurm_jobs.memory_mb_per_cpu(entry, 1) == node // 8
 
 
 # --- the torch build against the node's GPUs and driver -----------------------------------
@@ -157,8 +187,14 @@ def test_an_environment_built_elsewhere_gets_the_build_its_hardware_needs(nvidia
     for target in ("p3", "V100", "Tesla V100-SXM2-32GB"):
         rc, url, why = run_sh_choice(nvidia_smi, [], None, {"IMGCLF_TORCH_FOR": target})
         assert (rc, url) == (0, cu126) and "sm_70" in why, (target, why)
-    assert run_sh_choice(nvidia_smi, [V100], "580.65.06", {"IMGCLF_TORCH_FOR": "g5"})[:2] \
-        == (0, "")  # the entry's hardware, not this machine's
+    rc, url, why = run_sh_choice(nvidia_smi, [V100], "580.65.06", {"IMGCLF_TORCH_FOR": "g5"})
+    assert (rc, url) == (0, "")  # the entry's hardware, not this machine's
+    # whose driver this machine cannot see: the build's need said, with the fallback's variable
+    assert "driver 580 or newer" in why and "IMGCLF_TORCH_INDEX=cu126" in why, why
+    # a login node without GPUs and no IMGCLF_TORCH_FOR: what the default build needs, and how
+    # to name the GPU nodes instead
+    rc, url, why = run_sh_choice(nvidia_smi, [], None)
+    assert (rc, url) == (0, "") and "driver 580 or newer" in why and "IMGCLF_TORCH_FOR=" in why
     rc, url, why = run_sh_choice(nvidia_smi, [], None, {"IMGCLF_TORCH_FOR": "p9"})
     assert rc == 1 and url == "" and one_sentence(why.removeprefix("run.sh: ")), why
     rc, url, _ = run_sh_choice(nvidia_smi, [], None, {"IMGCLF_TORCH_FOR": "p3",
@@ -376,15 +412,15 @@ print(json.dumps({"ending_at": round(time.time(), 3)}), flush=True)
 def test_jobs_on_one_machine_claim_distinct_gpus_and_wait_for_a_free_one(nvidia_smi, tmp_path):
     """Three jobs on a machine of 3 GPUs: a training job claims 2, an LR-finder run the third,
     and a second run waits until the first ends (its locks go with its process), then gets the
-    GPU it freed; each sees only its own GPUs, in CUDA_VISIBLE_DEVICES."""
+    GPU it freed; each sees only its own GPUs, in CUDA_VISIBLE_DEVICES. Each job has a TMPDIR of
+    its own, as Snakemake sets one per job from its `tmpdir` resource."""
     import subprocess
     import sys
 
-    (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
-
     def job(count):
-        return subprocess.Popen([sys.executable, "-c", CLAIM, str(count)], env=env,
+        tmp = Path(tempfile.mkdtemp(dir=tmp_path))
+        return subprocess.Popen([sys.executable, "-c", CLAIM, str(count)],
+                                env={**os.environ, "TMPDIR": str(tmp)},
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
@@ -441,8 +477,7 @@ def test_a_gpu_is_free_when_its_job_ends_though_the_job_forked(nvidia_smi, tmp_p
     import subprocess
     import sys
 
-    (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    env = dict(os.environ)
     job = subprocess.run([sys.executable, "-c", CLAIM_AND_FORK, "20"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert job.stdout == "claimed\n", job.stderr
@@ -460,8 +495,8 @@ SECOND_USER = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
 
 @pytest.mark.slow
 def test_a_second_user_under_umask_022_claims_gpus_beside_the_first(nvidia_smi, tmp_path):
-    """Two users share a machine's GPUs, each with umask 022, as on a shared workstation or a
-    node without a private /tmp: the first holds GPU 0 and made the lock folder and its file,
+    """Two users share a machine's GPUs, each with umask 022 and a TMPDIR of their own (as
+    pam_tmpdir or a per-user scratch gives them): the first holds GPU 0 and made its lock file,
     the second claims the free GPU at once, then, asking for all three, waits for GPU 0 and gets
     it when the first job ends (it must open the first user's lock file for writing)."""
     import subprocess
@@ -469,16 +504,21 @@ def test_a_second_user_under_umask_022_claims_gpus_beside_the_first(nvidia_smi, 
 
     if os.getuid() != 0:
         pytest.skip("starts a second user, which takes root")
-    shared = Path(tempfile.mkdtemp(prefix="imgclf-users-"))  # a /tmp of their own for both
+    shared = Path(tempfile.mkdtemp(prefix="imgclf-users-"))
     try:
-        shared.chmod(0o1777)
+        shared.chmod(0o755)
         spec = shared / "gpus.json"
         spec.write_text(nvidia_smi.read_text())
         spec.chmod(0o644)
-        env = {**os.environ, "TMPDIR": str(shared), "NVIDIA_SMI_STUB": str(spec)}
+        tmpdirs = {(): shared / "tmp-root", tuple(SECOND_USER): shared / "tmp-nobody"}
+        for user, folder in tmpdirs.items():
+            folder.mkdir(mode=0o700)
+            os.chown(folder, 65534 if user else 0, 65534 if user else 0)
         umask = "import os; os.umask(0o022)\n"
 
         def job(count, user=()):
+            env = {**os.environ, "TMPDIR": str(tmpdirs[tuple(user)]),
+                   "NVIDIA_SMI_STUB": str(spec)}
             return subprocess.Popen([*user, sys.executable, "-c", umask + CLAIM, str(count)],
                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
@@ -515,21 +555,26 @@ def test_a_lock_file_another_user_left_read_only_is_one_sentence(nvidia_smi):
     import subprocess
     import sys
 
+    from imgclf import devices
+
     if os.getuid() != 0:
         pytest.skip("starts a second user, which takes root")
     shared = Path(tempfile.mkdtemp(prefix="imgclf-users-"))
+    locks = [devices.lock_dir() / f"{gpu['uuid']}.lock" for gpu in GPUS]
     try:
-        shared.chmod(0o1777)
-        (shared / "imgclf-gpu-locks").mkdir(mode=0o1777)
-        for gpu in GPUS:
-            (shared / "imgclf-gpu-locks" / f"{gpu['uuid']}.lock").touch(mode=0o644)
+        shared.chmod(0o755)
+        for lock in locks:
+            lock.touch(mode=0o644)
+            lock.chmod(0o644)
         spec = shared / "gpus.json"
         spec.write_text(nvidia_smi.read_text())
         res = subprocess.run([*SECOND_USER, sys.executable, "-c", CLAIM, "1"], text=True,
                              capture_output=True, timeout=60,
-                             env={**os.environ, "TMPDIR": str(shared), "NVIDIA_SMI_STUB": str(spec)})
+                             env={**os.environ, "NVIDIA_SMI_STUB": str(spec)})
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+        for lock in locks:
+            lock.unlink(missing_ok=True)
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode != 0 and "UserError: The GPU lock file " in last, res.stderr
     sentence = last.split("UserError: ", 1)[1]
@@ -623,7 +668,7 @@ def test_the_measured_solve_claims_its_gpu_and_checks_the_build_first(solve_clai
 
 def claim_then_check(stage: str, demo_root):
     """Start `stage` of p3 (one device of it: training too) until it checks the torch build."""
-    from imgclf import evaluate, lr_find, noise_scale
+    from imgclf import evaluate, loader_bench, lr_find, noise_scale
     from imgclf.train import job as train_job
     from imgclf.artifacts import Plan
 
@@ -638,10 +683,12 @@ def claim_then_check(stage: str, demo_root):
                                                        cfg, {"epochs": 1,
                                                              "limit_train_batches": None}, 0.02),
             "evaluation": lambda: evaluate.pick_device(p3, "32"),
+            "loader benchmark": lambda: loader_bench.pins_memory(p3),
             "training": lambda: train_job.check_hardware(p3, "32")}[stage]()
 
 
-@pytest.mark.parametrize("stage", ["LR run", "noise scale", "evaluation", "training"])
+@pytest.mark.parametrize("stage", ["LR run", "noise scale", "evaluation", "training",
+                                   "loader benchmark"])
 def test_each_gpu_stage_claims_its_gpu_before_it_checks_the_build(stage, solve_claims_here,
                                                                   cuda_device, demo_root):
     """As the memory solve: a V100 under the CUDA 13 build stops each stage in the build's
@@ -754,3 +801,52 @@ def test_ctrl_c_during_the_set_up_ends_it(tmp_path):
     assert run.returncode == 130, err
     assert "trying again" not in err and not (tmp_path / ".venv" / ".installed").exists(), err
     assert (tmp_path / "pip-calls").read_text().count("install") == 1
+
+
+def test_a_jobs_memory_limit_is_read_from_its_cgroups_v1_and_v2(tmp_path):
+    """The smallest limit on the way from the process's cgroup to the root, as Slurm's
+    task/cgroup sets it on the job and its step (v1: the memory controller's tree, its "no
+    limit" a huge number; v2: the unified tree's memory.max, "max" for none)."""
+    v1 = tmp_path / "v1"
+    step = v1 / "memory/slurm_n1/uid_0/job_7/step_0"
+    step.mkdir(parents=True)
+    (v1 / "memory/slurm_n1/uid_0/job_7/memory.limit_in_bytes").write_text("3599761408\n")
+    (step / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")
+    (v1 / "memory/memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")
+    cgroup = tmp_path / "cgroup-v1"
+    cgroup.write_text("3:cpuset:/slurm_n1/uid_0/job_7/step_0\n"
+                      "4:memory:/slurm_n1/uid_0/job_7/step_0/task_0\n")
+    assert hardware._cgroup_memory_limit(str(cgroup), str(v1)) == 3599761408
+    v2 = tmp_path / "v2"
+    (v2 / "system.slice/job").mkdir(parents=True)
+    (v2 / "system.slice/memory.max").write_text("max\n")
+    (v2 / "system.slice/job/memory.max").write_text("1000000000\n")
+    cgroup.write_text("0::/system.slice/job\n")
+    assert hardware._cgroup_memory_limit(str(cgroup), str(v2)) == 1000000000
+    (v2 / "system.slice/job/memory.max").write_text("max\n")
+    assert hardware._cgroup_memory_limit(str(cgroup), str(v2)) is None
+
+
+def test_a_plan_that_needs_more_memory_than_its_job_may_use_stops_it(monkeypatch, caplog):
+    """A job confined to 3.6 GB whose plan needs 1 GB per process runs, and says both; one
+    whose 2 ranks on the node need 2 x 2 GB stops at its start in one sentence naming the key
+    that fixes it, instead of being killed partway."""
+    import logging
+
+    from imgclf import devices
+    from imgclf.artifacts import Plan
+
+    monkeypatch.setattr(hardware, "job_limits",
+                        lambda: {"cpus": 1, "memory_bytes": 3_600_000_000})
+    plan = Plan(path="m.json", cluster="ci", per_device_batch=8, accumulate_grad_batches=1,
+                devices_per_node=2, nodes=1, num_workers=2, prefetch_factor=2, decoder="pil",
+                host_bytes_per_process=1_000_000_000)
+    with caplog.at_level(logging.INFO, logger="imgclf.devices"):
+        devices.check_share(plan, "An LR run")
+    assert ("An LR run: this job may use 1 CPU(s) and 3.60 GB; its loader plan (m.json) "
+            "assumes 2 worker(s) and 1.00 GB per process") in caplog.text
+    big = Plan(**{**plan.__dict__, "host_bytes_per_process": 2_000_000_000})
+    devices.check_share(big, "An LR run")  # one process: 2 GB fits
+    with pytest.raises(hardware.UserError) as err:
+        devices.check_share(big, "A training rank", processes=2)
+    assert one_sentence(str(err.value)) and "`loader.ram_margin`" in str(err.value)

@@ -80,7 +80,7 @@ def test_default_worker_grid_follows_the_cpus_per_device():
     assert loader_bench.default_workers(12, 48) == [0, 1, 2, 4, 8, 12]
     assert loader_bench.default_workers(12, 2) == [0, 1, 2]  # capped at this machine
     hw = {"cpus_per_node": 48, "devices_per_node": 4}
-    assert loader_bench.cpus_per_device(hw) == 12
+    assert hardware.device_cpus(hw) == 12
 
 
 def test_grid_has_no_prefetch_without_workers():

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import statistics
+import uuid
 from datetime import datetime
 
 import numpy as np
@@ -370,16 +371,16 @@ def test_lr_runs_take_one_gpu_each_and_never_more_than_there_are(workflow_copy, 
     stand-in nvidia-smi) and 4 runs: with no `gpu` pool given, the workflow takes the 2 GPUs it
     detects, so Snakemake runs at most 2 at once although 4 cores are free, and each run claims
     a GPU of its own (it never had to wait for one)."""
-    gpus = tmp_path / "gpus.json"
+    gpus = tmp_path / "gpus.json"  # GPUs of this test's own: their locks are no one else's
+    run = uuid.uuid4().hex[:12]
     gpus.write_text(json.dumps([{"name": "NVIDIA L4", "mib": 23034, "compute_cap": "8.9",
-                                 "uuid": f"GPU-0000000{i}-1111-2222-3333-444444444444"}
+                                 "uuid": f"GPU-0000000{i}-1111-2222-3333-{run}"}
                                 for i in (1, 2)]))
     # runs of at most 32 images per step: the GPUs they claim are the point, not the A10G's batch
     (workflow_copy / "fast.yaml").write_text(FAST.replace("num_iter: 30", "runs: 4, num_iter: 20")
                                              + "memory: {mode: estimate, max_batch: 32}\n")
-    (tmp_path / "locks").mkdir()
     env = {"PATH": f"{REPO / 'tests' / 'stubs'}:{os.environ['PATH']}",
-           "NVIDIA_SMI_STUB": str(gpus), "TMPDIR": str(tmp_path / "locks")}
+           "NVIDIA_SMI_STUB": str(gpus)}
     res = snakemake(workflow_copy, "--cores", "4", "results/lr/g5_summary.json",
                     "--configfile", "fast.yaml", env=env)
     out = res.stdout + res.stderr

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import one_sentence
 from imgclf import forecast, hardware, settings
 from imgclf.slurm import jobs as slurm_jobs
 from imgclf.slurm import plugin as slurm_plugin
@@ -239,10 +240,12 @@ def test_training_asks_for_its_forecast_time_and_requeues_at_the_partition_limit
     for flag in ("--requeue", "--signal=USR1@300", "--open-mode=append",
                  f"--deadline=now+{1440 + 760 + 3}minutes"):
         assert flag in line, line
-    # 90 h: the partition's 48 h, and room in the deadline for 3 starts (each after a requeue)
+    # 90 h: the partition's 48 h, and room in the deadline for its 3 starts and one more (the
+    # forecast's error), each with a day to begin: only an operator may move a deadline, so a
+    # requeued job's wait must fit the one it was submitted with
     runtime, line = request(90 * 3600)
     assert runtime == 2880 and "-t 2880" in line, line
-    assert f"--deadline=now+{1440 + 3 * (2880 + 3)}minutes" in line, line
+    assert f"--deadline=now+{4 * (1440 + 2880 + 3)}minutes" in line, line
     # no forecast for the entry's hardware: the partition's limit, requeue as needed
     runtime, line = request(None)
     assert runtime == 2880 and "--requeue" in line and "--deadline=now+4323minutes" in line
@@ -398,10 +401,24 @@ def test_a_job_removed_at_its_deadline_is_explained(tmp_path):
     log.write_text("Error in rule train_model:\n    message: SLURM-job '41' failed, SLURM status "
                    "is: 'DEADLINE'. Reason: Unknown.\nSLURM-job '41' failed, SLURM status is: "
                    "'DEADLINE'\nSLURM-job '7' failed, SLURM status is: 'FAILED'\n")
-    [sentence] = slurm_plugin.deadline_sentences([str(log)])  # as Snakemake 9 hands it to onerror
-    assert slurm_plugin.deadline_sentences(str(log)) == [sentence]
+    never_ran = {"41": 0}.get
+    # as Snakemake 9 hands it to onerror
+    [sentence] = slurm_plugin.deadline_sentences([str(log)], never_ran)
+    assert slurm_plugin.deadline_sentences(str(log), never_ran) == [sentence]
     assert sentence.startswith("Slurm job 41 could not start before its deadline"), sentence
-    assert "sinfo -R" in sentence and "slurm_extra" in sentence
+    assert "sinfo -R" in sentence and "slurm_extra" in sentence and one_sentence(sentence)
+    # a job that ran and requeued itself at its time limit, as sacct records it, then could not
+    # start again: said so, and that running again resumes
+    sacct = tmp_path / "bin/sacct"
+    sacct.parent.mkdir()
+    sacct.write_text("#!/bin/sh\nprintf 'REQUEUED\\nREQUEUED\\nDEADLINE\\n'\n")
+    sacct.chmod(0o755)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", f"{sacct.parent}:{os.environ['PATH']}")
+        [sentence] = slurm_plugin.deadline_sentences(str(log))
+    assert sentence.startswith("Slurm job 41 ran, saved its last.ckpt and requeued itself at "
+                               "its time limit (2 times), then could not start again"), sentence
+    assert "resumes from that checkpoint" in sentence and one_sentence(sentence)
 
 
 # --- on the throw-away cluster ----------------------------------------------------------------
@@ -424,6 +441,51 @@ def test_every_job_of_the_demo_went_through_slurm_and_its_accounting(slurm_demo)
     assert len(records) == len(submitted), records
     assert {(r["State"], r["Account"]) for r in records} == {("COMPLETED", "demo")}, records
     assert json.loads((work / "results/eval/ci2x1.json").read_text())["provenance"]
+
+
+def test_the_cluster_confines_a_job_to_what_it_asked_for(cluster, tmp_path):
+    """As production clusters do (task/cgroup): a job of 1 CPU sees one CPU, and a job that
+    uses more memory than it asked for is killed (OUT_OF_MEMORY)."""
+    script = ("import os; print(len(os.sched_getaffinity(0)), flush=True); "
+              "x = bytearray(600 * 2**20); print('allocated', flush=True)")
+    res = subprocess.run(["srun", "-c", "1", "--mem=200M", sys.executable, "-c", script],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode != 0 and res.stdout.split() == ["1"], (res.stdout, res.stderr)
+    assert "Out Of Memory" in res.stderr, res.stderr
+
+
+# every job of the demo that runs the plan's loader (2 workers), and what it logs of its share
+CONFINED = {"benchmark_loader", "lr_find", "noise_scale", "evaluate", "train_model"}
+SHARE_LINE = re.compile(r"this job may use (\d+) CPU\(s\) and ([\d.]+) GB")
+
+
+def test_each_job_runs_confined_to_the_share_its_plan_assumes(slurm_demo):
+    """Under the cluster's cgroups each job that runs the plan's loader of 2 workers (the
+    loader benchmark, the LR runs, the noise scale, the evaluation and each training rank)
+    sees the CPUs and memory it asked Slurm for, as its Slurm log says: 1 CPU and 3,433 MiB,
+    one device's share of ci2x1's node, in which the plan's process (its workers included)
+    fits."""
+    work, out = slurm_demo
+    jobs, submitted = jobs_of(out)
+    plan = json.loads((work / "results/memory/ci2x1.json").read_text())
+    assert plan["num_workers"] == 2
+    seen = set()
+    for jobid, (slurm_id, log) in submitted.items():
+        rule = jobs[jobid][0]
+        if rule not in CONFINED:
+            continue
+        seen.add(rule)
+        [record] = sacct(slurm_id, fields=("JobID", "ReqCPUS", "ReqMem", "NNodes"))
+        nodes = int(record["NNodes"])
+        cpus, mem_mb = int(record["ReqCPUS"]) // nodes, int(record["ReqMem"].rstrip("M")) // nodes
+        assert (cpus, mem_mb) == (1, 3433), (rule, record)
+        lines = SHARE_LINE.findall(log.read_text())
+        assert lines, (rule, log.read_text()[-2000:])
+        for got_cpus, got_gb in lines:  # each rank's, for training
+            assert int(got_cpus) == cpus, (rule, lines)
+            assert float(got_gb) == pytest.approx(mem_mb * hardware.MIB / hardware.GB, abs=0.01)
+            assert plan["predicted_host_bytes_per_process"] < float(got_gb) * hardware.GB
+    assert seen == CONFINED, seen
 
 
 def test_lr_finder_runs_are_one_node_jobs_without_a_gpu_on_the_cpu_partition(slurm_demo):

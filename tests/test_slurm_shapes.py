@@ -15,23 +15,28 @@ import re
 import pytest
 
 from conftest import copy_workflow, snakemake
-from imgclf import settings
+from imgclf import hardware, settings
 from imgclf.slurm import jobs as slurm_jobs
 from slurm_cluster import (CLUSTER_YAML, GPU_PARTITION, entry, jobs_under_slurm, rules_submitted,
                            run_slurm, sacct, sbatch_test_only, slurm_job_of, submit_line,
                            with_profile)
 
-# One A10G on a node of 8 CPUs (g5.2xlarge), g5 as configured (4 x A10G), p4 on two nodes, and
-# the test cluster's entries of CPU ranks on 1 and 2 nodes (CLUSTER_YAML).
+# One A10G on a node of 8 CPUs (g5.2xlarge), g5 as configured (4 x A10G), p4 on two nodes,
+# 3 V100 on a node of 16 CPUs (which do not divide evenly among them) whose cluster names its
+# GPU type with capitals, and the test cluster's entries of CPU ranks on 1 and 2 nodes
+# (CLUSTER_YAML).
 SHAPES_YAML = CLUSTER_YAML.split("\nloader:")[0] + """
   a10g1: {gpus_per_node: 1, gpu_model: A10G, gpu_memory_gb: 24, nodes: 1, cpus_per_node: 8,
           ram_gb: 32}
   p4x2: {gpus_per_node: 8, gpu_model: A100, gpu_memory_gb: 40, nodes: 2, cpus_per_node: 96,
          ram_gb: 1152}
+  v100x3: {gpus_per_node: 3, gpu_model: V100, gpu_memory_gb: 16, nodes: 1, cpus_per_node: 16,
+           ram_gb: 64, slurm_gpu_type: Tesla_V100}
   cpu8: {gpus_per_node: 0, gpu_model: auto, gpu_memory_gb: auto, nodes: 1, cpus_per_node: 8,
          ram_gb: 16, cpu_processes: 2}
 """
-GPU_ENTRIES = {"a10g1": ("a10g", 1), "g5": ("a10g", 4), "p4x2": ("a100", 8)}
+GPU_ENTRIES = {"a10g1": ("a10g", 1), "g5": ("a10g", 4), "p4x2": ("a100", 8),
+               "v100x3": ("Tesla_V100", 3)}
 CPU_ENTRIES = ("ci1x1", "ci2x1", "cpu8")
 # where slurmctld judges each entry's jobs: only the GPU partition's nodes have 8 CPUs or more
 PARTITION = {**dict.fromkeys(GPU_ENTRIES, GPU_PARTITION), "ci1x1": "debug", "ci2x1": "debug",
@@ -40,8 +45,8 @@ PARTITION = {**dict.fromkeys(GPU_ENTRIES, GPU_PARTITION), "ci1x1": "debug", "ci2
 ONE_GPU = {"benchmark_loader", "lr_find", "noise_scale", "solve_memory", "evaluate",
            "batch_lr_find"}
 TRAINING = {"train_model", "validate_lr_run", "batch_run"}
-NODE_CPUS = {"check_hydration", "benchmark_loader", "evaluate"}  # decode on each of the node's CPUs
-CPU_RANK = {"noise_scale", "forecast", "batch_lr_find"}  # compute on the node's CPUs without GPUs
+NODE_CPUS = {"check_hydration"}  # decodes on each of the node's CPUs
+CPU_RANK = {"noise_scale", "forecast", "batch_lr_find", "evaluate"}  # compute on a CPU node's CPUs
 GPU_REQUEST = re.compile(r" --gpus=| --gres=gpu")
 
 
@@ -92,12 +97,11 @@ def test_every_job_asks_for_the_entrys_gpus_or_none(planned):
 
 
 def test_jobs_that_take_a_node_ask_for_its_cpus_from_a_smaller_login_node(planned):
-    """The hydration check, the loader benchmark and the evaluation ask Slurm for every CPU of
-    their entry's node (p4x2: 96, a10g1: 8), and so do the noise scale and the forecast of an
-    entry of CPU ranks (cpu8: 8; its 2 LR runs 4 each, side by side), the trainings for theirs
-    per task, whatever the cores of the machine that submits them (LOGIN_CORES), at which
-    Snakemake caps threads; each with its share of 90 % of the node's RAM (p4x2: 10,299 MiB per
-    CPU), not the profile's 4 GB for a job."""
+    """The hydration check asks Slurm for every CPU of its entry's node (p4x2: 96), and so do
+    the noise scale, the forecast and the evaluation of an entry of CPU ranks (cpu8: 8; its 2
+    LR runs 4 each, side by side), whatever the cores of the machine that submits them
+    (LOGIN_CORES), at which Snakemake caps threads; each with its share of 90 % of the node's
+    RAM (p4x2: 10,299 MiB per CPU), not the profile's 4 GB for a job."""
     work, lines = planned
     config = settings.load([work / "shapes.yaml"])
     for name in (*GPU_ENTRIES, *CPU_ENTRIES):
@@ -106,13 +110,40 @@ def test_jobs_that_take_a_node_ask_for_its_cpus_from_a_smaller_login_node(planne
         want = {rule: cpus for rule in NODE_CPUS | (CPU_RANK if cpu_ranks else set())}
         if cpu_ranks:
             want["lr_find"] = max(1, cpus // config["lr_finder"]["runs"])
-        want.update(dict.fromkeys(TRAINING, max(1, cpus // hw["devices_per_node"])))
         for rule, line in lines[name]:
             if rule in want:
                 assert f" --cpus-per-task={want[rule]} " in line, (name, line)
                 assert "--mem-per-cpu " in line and " --mem " not in line, (name, line)
             if name == "p4x2" and rule in NODE_CPUS | TRAINING:
                 assert "--mem-per-cpu 10299 " in line, line
+
+
+def test_a_job_of_one_device_asks_for_the_share_its_loader_plan_assumes(planned):
+    """Each job of one device (a GPU entry's LR runs, noise scale, measured memory solve, batch
+    range tests, loader benchmark and evaluation; an entry of CPU ranks' loader benchmark), and
+    each training task, asks for one device's share of its node: the CPUs the loader benchmark
+    chose the plan's workers for (hardware.device_cpus: p4x2 12, g5 12, a10g1 8, v100x3 5 of
+    16), and at least the host RAM the memory solve fits one process's loader into
+    (`loader.ram_margin` of the node's RAM per device), at most the node's RAM per device."""
+    work, lines = planned
+    config = settings.load([work / "shapes.yaml"])
+    margin = config["loader"]["ram_margin"]
+    for name in (*GPU_ENTRIES, *CPU_ENTRIES):
+        hw = settings.cluster(config, name)
+        share = hardware.device_cpus(hw)
+        per_device = hw["ram_gb"] * hardware.GB / hw["devices_per_node"]
+        rules = TRAINING | {"benchmark_loader"} | (set() if hw["accelerator"] == "cpu" else
+                                                  ONE_GPU | {"lr_find"})
+        seen = set()
+        for rule, line in lines[name]:
+            if rule not in rules:
+                continue
+            seen.add(rule)
+            cpus = int(re.search(r" --cpus-per-task=(\d+) ", line)[1])
+            mem = int(re.search(r" --mem-per-cpu (\d+) ", line)[1]) * cpus * hardware.MIB
+            assert cpus == share, (name, rule, line)
+            assert margin * per_device <= mem <= per_device, (name, rule, mem, per_device)
+        assert seen == rules, (name, rules - seen)
 
 
 def test_the_cluster_accepts_every_job_of_each_shape(cluster, planned):
@@ -133,6 +164,8 @@ def test_the_cluster_refuses_a_gpu_job_in_the_cpu_partition(cluster, planned):
     more GPUs of a type than a node has."""
     work, lines = planned
     lr_run = next(line for rule, line in lines["a10g1"] if rule == "lr_find")
+    # on a CPU of the partition's nodes, so that only its GPU is refused
+    lr_run = re.sub(r" --cpus-per-task=\d+ ", " --cpus-per-task=1 ", lr_run)
     res = sbatch_test_only(lr_run.replace(f" -p {GPU_PARTITION}", " -p debug"), work)
     assert res.returncode and "Requested node configuration is not available" in res.stderr
     training = next(line for rule, line in lines["g5"] if rule == "train_model")
@@ -161,3 +194,27 @@ def test_a_one_task_entry_trains_in_an_srun_step_of_its_own(slurm_demo):
     assert (record["NTasks"], record["State"]) == ("1", "COMPLETED"), record
     assert summary["cluster_environment"] == "SLURMEnvironment"
     assert summary["loader"]["num_workers"] == 2  # fork-server workers, as a real plan's
+
+
+def test_the_short_runs_ask_for_their_budgets_time_within_a_shorter_partition(slurm_demo):
+    """An LR validation run and a batch-curve run, planned in the finished demo (its LR runs
+    and loader benchmark made), ask for their step budget's time at the LR runs' pace, capped
+    by the entry's `slurm_time_limit_minutes` (60), with the training's requeue: partition
+    short (MaxTime 60) accepts each, where it refuses 12 hours."""
+    work, _ = slurm_demo
+    (work / "short.yaml").write_text(CLUSTER_YAML.replace(
+        "cpu_processes: 1}", "cpu_processes: 1, slurm_time_limit_minutes: 60}", 1))
+    runs = [job for job in jobs_under_slurm(work, "ci2x1", "results/lr/ci2x1_validation.json",
+                                            "results/batch/ci2x1.json",
+                                            configfiles=["short.yaml"])
+            if job["rule"] in ("validate_lr_run", "batch_run")]
+    assert {job["rule"] for job in runs} == {"validate_lr_run", "batch_run"}, runs
+    for job in runs:
+        res = job["resources"]
+        assert 1 <= res["runtime"] <= 60, job
+        assert "--requeue --signal=USR1@" in res["slurm_extra"], job
+        line = submit_line(with_profile(job["rule"], res), job["threads"], "short", str(work))
+        accepted = sbatch_test_only(line, work)
+        assert accepted.returncode == 0, (line, accepted.stderr)
+        refused = sbatch_test_only(line.replace(f" -t {res['runtime']} ", " -t 720 "), work)
+        assert refused.returncode and "time limit" in refused.stderr.lower(), refused.stderr

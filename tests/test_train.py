@@ -288,6 +288,13 @@ def test_digest_covers_data_census_and_ignores_bookkeeping_keys(demo_root, tmp_p
     assert digest(lr_={"source": "recipe", "value": 0.3}) != base
     changed = {**params, "census": {"verdict": "pass", "census_digest": "another data set"}}
     assert digest(p=changed) != base
+    # a batch-curve run resumes only a checkpoint of its own budget and target: an edit of
+    # `batch_curve.min_steps`, or a new target from the plan batch's run, starts it afresh
+    cfg = {"fraction": 0.02, "min_steps": 50, "evaluations": 20, "cap": 4}
+    run = {**params, "batch_curve": {"multiple": 2.0, "cfg": cfg, "target": 1.5}}
+    assert digest(p=run) != base
+    for edit in ({"cfg": {**cfg, "min_steps": 60}}, {"target": 1.4}):
+        assert digest(p={**run, "batch_curve": {**run["batch_curve"], **edit}}) != digest(p=run)
 
 
 def test_merge_metrics_drops_rows_redone_after_resume(tmp_path):
@@ -405,6 +412,43 @@ def test_fork_server_workers_end_when_their_rank_is_killed(demo_root):
         owner.kill()
 
 
+# A training rank under srun that compiles for a GPU: Inductor's compile worker pool (a sidecar
+# and its workers) started as the rank starts it, then Slurm's requeue signal to every process
+# of the step, then what a compile for a GPU does first (compile_fx wakes the pool) and a job
+# through the pool. Two compile threads: the pool exists only with more than one, which Inductor
+# otherwise derives from the CPUs (one on a small CI runner).
+SIGNALLED_COMPILE_POOL = """
+import os, signal, time
+import psutil
+from torch._inductor.async_compile import AsyncCompile
+from imgclf.slurm import requeue
+from imgclf.train import module
+requeue.catch_requeue_signal()
+module.start_compile_workers()
+AsyncCompile.wait_pool_ready()
+me = psutil.Process()
+helpers = me.children(recursive=True)
+for process in [me, *helpers]:
+    process.send_signal(signal.SIGUSR1)
+time.sleep(0.5)
+AsyncCompile.wakeup()
+worker = AsyncCompile.process_pool().submit(os.getpid).result(timeout=60)
+print(len(helpers), worker in {p.pid for p in helpers}, requeue.requeue_asked())
+"""
+
+
+@pytest.mark.slow
+def test_the_requeue_signal_leaves_a_ranks_compile_workers_compiling():
+    """Slurm sends the requeue signal to every process of the step: Inductor's compile sidecar,
+    started with exec (which resets the rank's handler to the default action, ending it), must
+    not die from it, or the rank's next compile fails instead of requeueing."""
+    res = subprocess.run([sys.executable, "-c", SIGNALLED_COMPILE_POOL], capture_output=True,
+                         text=True, timeout=300,
+                         env={**os.environ, "SLURM_PROCID": "0", "SLURM_JOB_ID": "7",
+                              "TORCHINDUCTOR_COMPILE_THREADS": "2"})
+    assert res.stdout.split() == ["3", "True", "True"], res.stdout + res.stderr[-3000:]
+
+
 # --- real DDP through the entry point --------------------------------------------------------
 
 def train_accuracy_columns(out) -> list[str]:
@@ -430,7 +474,7 @@ def test_ddp_two_gloo_processes_through_cli(demo_root, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads((out / "train_summary.json").read_text())
     assert s["world_size"] == 2 and s["strategy"] == "ddp (gloo)"
-    assert s["train_sampler"] == "DistributedSampler"  # Lightning's, for an unmixed recipe
+    assert s["train_sampler"] == "ResumableSampler"  # Lightning's DistributedSampler, resumable
     assert train_accuracy_columns(out) == ["train/acc1", "train/acc1_epoch", "train/acc5",
                                            "train/acc5_epoch"]
     pids = {r["pid"] for r in s["ranks"]}

@@ -59,6 +59,7 @@ class Plan:
     num_workers: int
     prefetch_factor: int | None
     decoder: str
+    host_bytes_per_process: int | None = None  # what one process of the plan holds in host RAM
 
     @property
     def world_size(self) -> int:
@@ -91,7 +92,8 @@ class Plan:
                    num_workers=int(d["num_workers"]),
                    prefetch_factor=None if d["prefetch_factor"] is None
                    else int(d["prefetch_factor"]),
-                   decoder=d["decoder"])
+                   decoder=d["decoder"],
+                   host_bytes_per_process=d.get("predicted_host_bytes_per_process"))
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,10 @@ def choose_index(driver: str | None, device_sms: list[int], override: str | None
         url = override if "://" in override else INDEX_URL.format(tag=override)
         return url, f"{OVERRIDE_ENV}={override}"
     if not driver or not device_sms:
-        return "", "no NVIDIA GPU here: pip's own index"
+        return "", (f"no NVIDIA GPU here: pip's own index, the CUDA 13 build, for GPUs of "
+                    f"{sm_name(DEFAULT_FIRST_SM)} or newer on NVIDIA driver {MIN_DRIVER[13]} or "
+                    f"newer; to build for the GPU nodes from here, name them with "
+                    f"{FOR_ENV}=<entry or GPU model>")
     old = sorted({sm for sm in device_sms if sm < DEFAULT_FIRST_SM})
     driver_ok = driver_major(driver) >= MIN_DRIVER[13]
     if not old and driver_ok:
@@ -167,7 +170,10 @@ def choose_for(target: str, models: dict[str, str]) -> tuple[str, str]:
             f"model nor a GPU model of {', '.join(CAPABILITY)}: name one of them, or the build "
             f"itself with {OVERRIDE_ENV} (cu126, cu130, ...).")
     if sm >= DEFAULT_FIRST_SM:
-        return "", f"{FOR_ENV}={target}: {model} ({sm_name(sm)}) runs the default CUDA 13 build"
+        return "", (f"{FOR_ENV}={target}: {model} ({sm_name(sm)}) runs the default CUDA 13 "
+                    f"build, on NVIDIA driver {MIN_DRIVER[13]} or newer, which this machine "
+                    f"cannot check on those nodes (`nvidia-smi` there); on an older driver set "
+                    f"{OVERRIDE_ENV}={FALLBACK} instead")
     if not runs_on(sm, FALLBACK_SM):
         raise ValueError(f"{FOR_ENV}={target}: {model} ({sm_name(sm)}) is supported by no "
                          f"current PyTorch build: use another GPU.")

@@ -7,6 +7,8 @@ data through this module, so what is measured is what trains."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 
 import torch
@@ -182,17 +184,18 @@ def val_dataset(source, decoder: str, resolution: int, recipe=None,
 def loader(dataset, batch_size: int, num_workers: int, prefetch_factor: int | None,
            shuffle: bool, seed: int = 0, pin_memory: bool = False, drop_last: bool = False,
            persistent_workers: bool = False, sampler=None, worker_init_fn=None,
-           forkserver_preload: tuple[str, ...] | None = None) -> DataLoader:
+           forkserver_preload: tuple[str, ...] | None = None,
+           resumable: bool = False) -> DataLoader:
     """A DataLoader whose shuffling order depends only on `seed`. `forkserver_preload`: None,
     its workers are forks of this process; else they start from a fork server
     (forkserver_context) that imported this module and those named, for a process that runs
-    threads of its own."""
+    threads of its own. `resumable`: a ResumableLoader, whose `sampler` is a ResumableSampler."""
     generator = torch.Generator().manual_seed(seed)
     workers = num_workers > 0
     forkserver = forkserver_preload is not None and workers
     if forkserver:
         worker_init_fn = ExitWithProcess(os.getpid(), then=worker_init_fn)
-    return DataLoader(
+    return (ResumableLoader if resumable else DataLoader)(
         dataset, batch_size=batch_size, shuffle=shuffle if sampler is None else False,
         sampler=sampler, num_workers=num_workers,
         prefetch_factor=prefetch_factor if workers else None,
@@ -234,13 +237,9 @@ def start_forkserver() -> None:
     worker forked from the server never act on it; one that reaches this process meanwhile is
     delivered once the mask is restored."""
     import multiprocessing.forkserver
-    import signal
 
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, noted_signals())
-    try:
+    with noted_signals_blocked():
         multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def noted_signals() -> set:
@@ -249,6 +248,21 @@ def noted_signals() -> set:
     import signal
 
     return {s for s in (signal.SIGUSR1, signal.SIGUSR2) if callable(signal.getsignal(s))}
+
+
+@contextlib.contextmanager
+def noted_signals_blocked():
+    """This thread with the noted signals blocked, to start helper processes in: exec gives a
+    helper their default action, which ends it, but keeps the mask, as does every process it
+    forks or execs in turn (a thread this one starts meanwhile keeps it too, for good). One
+    that reaches this process meanwhile goes to another thread or waits for the restored mask."""
+    import signal
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, noted_signals())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class ExitWithProcess:
@@ -289,7 +303,71 @@ class ExitWithProcess:
         os._exit(1)
 
 
-class RepeatedAugSampler(DistributedSampler):
+class ResumableLoader(DataLoader):
+    """A training loader that takes up an epoch where a checkpoint left it, on every rank.
+
+    Lightning stores the state_dict() of a training loader that has one in the checkpoint
+    (loops/fit_loop.py, on_save_checkpoint) and, resuming an unfinished epoch, gives it to
+    load_state_dict() before it makes the epoch's iterator (setup_data); it restores its own
+    batch count, so batch_idx goes on from there (loops/training_epoch_loop.py, reset). The
+    state is the epoch and the batches handed out in it; the resumed iterator has the sampler
+    (a ResumableSampler) begin that many batches into the same epoch's order, so the rest of
+    the epoch is what an uninterrupted one would draw, none again and none left out (a save
+    counts the batches Lightning took: with a length known it fetches no batch ahead,
+    loops/fetchers.py). A state of another epoch than the one resumed is not applied.
+
+    The iterator starts at the first batch asked for, not at iter(): Lightning makes a run's
+    first iterator before it sets the sampler's epoch (fit_loop.py, setup_data, then
+    on_advance_start), and with workers the sampler is drawn at once, so a resumed run's first
+    epoch would be drawn in epoch 0's order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._epoch, self._handed, self._resume = 0, 0, None
+
+    def __iter__(self):
+        return self._batches()
+
+    def _batches(self):
+        resume, self._resume = self._resume, None
+        self._epoch = self.sampler.epoch
+        self._handed = resume["batches"] if resume and resume["epoch"] == self._epoch else 0
+        self.sampler.skip(self._handed * self.batch_size)
+        for batch in super().__iter__():
+            self._handed += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "batches": self._handed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume = dict(state_dict)
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler whose next pass can begin part way into its epoch's order (a
+    training resumed mid-epoch: ResumableLoader). The training gives it with the arguments
+    Lightning would give the one it adds (train.module.ImageData), so the order is the same;
+    Lightning uses a DistributedSampler as it is."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def skip(self, samples: int) -> None:
+        """Begin the next pass `samples` indices into this epoch's order (that pass only)."""
+        self._skip = samples
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        return itertools.islice(self.order(), skip, None)
+
+    def order(self):
+        """This rank's indices of the epoch, from its start."""
+        return super().__iter__()
+
+
+class RepeatedAugSampler(ResumableSampler):
     """Repeated augmentation (Hoffer et al. 2020; DeiT's RASampler, torchvision's
     references/classification/sampler.py): each epoch draws a shuffled prefix of the data set
     with every image repeated `reps` times in a row, dealt round-robin to the ranks, so the
@@ -301,7 +379,8 @@ class RepeatedAugSampler(DistributedSampler):
     `selected_round=0` (timm and torchvision round the data set down to a multiple of 256
     first, which drops 232 of a 1,000-image set) and its epoch seed offset by `seed`. It is
     a DistributedSampler so that Lightning uses it as it is instead of wrapping it in a
-    DistributedSamplerWrapper; Lightning calls `set_epoch` every epoch."""
+    DistributedSamplerWrapper; Lightning calls `set_epoch` every epoch. A ResumableSampler,
+    for a training resumed mid-epoch."""
 
     def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True,
                  seed: int = 0, reps: int = 3):
@@ -321,7 +400,7 @@ class RepeatedAugSampler(DistributedSampler):
         super().set_epoch(epoch)
         self._sampler.set_epoch(self.seed + epoch)
 
-    def __iter__(self):
+    def order(self):
         return iter(self._sampler)
 
     def __len__(self) -> int:

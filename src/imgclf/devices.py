@@ -24,7 +24,6 @@ import fcntl
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,13 +36,18 @@ log = logging.getLogger(__name__)
 CLAIM_ENV = "IMGCLF_CLAIMED_GPUS"
 WAIT_LOG_S = 60.0
 _held: list = []  # open lock files: the locks live as long as this process
+# The GPU locks of this machine: one folder whatever a job's environment. Not
+# tempfile.gettempdir(), which follows TMPDIR: Snakemake sets it for each job from its `tmpdir`
+# resource, and users' differ (pam_tmpdir, per-user scratch), so that two users would each lock
+# the same GPU in a folder of their own and both size their batch to 85 % of it.
+LOCK_DIR = Path("/tmp/imgclf-gpu-locks")
 
 
 def lock_dir() -> Path:
-    """One folder per machine (the system's temporary folder), in which every user creates and
-    locks files: sticky and writable by all, whatever the umask of the user who made it (mkdir
-    applies the umask to the mode it is given)."""
-    path = Path(tempfile.gettempdir()) / "imgclf-gpu-locks"
+    """LOCK_DIR, in which every user creates and locks files: sticky and writable by all,
+    whatever the umask of the user who made it (mkdir applies the umask to the mode it is
+    given)."""
+    path = LOCK_DIR
     try:
         path.mkdir()
         os.chmod(path, 0o1777)
@@ -146,6 +150,26 @@ def claim_gpus(count: int, what: str, entry: dict | None = None,
     os.environ[CLAIM_ENV] = json.dumps(claimed)
     log.info("%s: claimed GPU(s) %s", what, ", ".join(f"{g['name']} {g['uuid']}" for g in claimed))
     return claimed
+
+
+def check_share(plan, what: str, processes: int = 1) -> dict:
+    """What this job may use (hardware.job_limits: the CPUs and memory a scheduler confined it
+    to) against what its loader plan assumes, said in the log; a plan whose `processes` (the
+    ranks of a node, which share a job's memory) need more memory than the job may use is
+    refused in one sentence, as the job would be killed partway. Returns the limits."""
+    limits = hardware.job_limits()
+    cpus, memory, need = limits["cpus"], limits["memory_bytes"], plan.host_bytes_per_process
+    log.info("%s: this job may use %d CPU(s) and %s; its loader plan (%s) assumes %d worker(s)"
+             "%s", what, cpus, "this machine's memory" if memory is None
+             else f"{memory / hardware.GB:.2f} GB", plan.path, plan.num_workers,
+             "" if need is None else f" and {need / hardware.GB:.2f} GB per process")
+    if memory is not None and need is not None and need * processes > memory:
+        raise UserError(f"{what} may use {memory / hardware.GB:.2f} GB of memory but its loader "
+                        f"plan ({plan.path}) needs {need * processes / hardware.GB:.2f} GB: "
+                        f"lower `loader.ram_margin` (at most {hardware.JOB_MEM_FRACTION}, the "
+                        f"share of `clusters.{plan.cluster}.ram_gb` its jobs ask for) and rerun "
+                        f"the memory solve, or ask your scheduler for more memory.")
+    return limits
 
 
 def claimed() -> list[dict] | None:

@@ -155,6 +155,7 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
         raise UserError(f"{params['index']} has classes {dataset.classes[:5]}... but the "
                         f"checkpoint was trained on {classes[:5]}...: evaluate on the same data.")
     device, precision = pick_device(cluster, str(model_cfg["precision"]))
+    devices.check_share(plan, f"The evaluation of cluster {cluster['name']!r}")
     model = load_model(ckpt, model_cfg, checkpoint, device)
     batch = int(ev["batch_size"] or plan.per_device_batch)
     loader = data.loader(dataset, batch, plan.num_workers, plan.prefetch_factor,

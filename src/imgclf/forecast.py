@@ -227,6 +227,21 @@ def plan_forecast(*, timing: dict, loader_rate: float, plan: Plan, hw: dict, eff
     }
 
 
+def pace(runs: list[dict], loader: dict, plan: Plan, hw: dict,
+         batch: int) -> tuple[float, float]:
+    """(seconds of one training micro-batch, of one validation batch) at per-device `batch` on
+    the entry's devices, as the forecast paces training: one device's times from the LR runs
+    (scaled from their batch), the loader benchmark's rate, the scaling efficiency set or
+    assumed (CPU ranks are not timed again). What a short run's time request is sized from."""
+    timing = lr_run_timing(runs)
+    load_s = batch / loader["choice"]["images_per_s"]
+    scale = batch / timing["batch"]
+    compute_s = timing["compute_s"] * scale / efficiency_of(hw, plan, None)["value"]
+    step_s, _ = step_model(compute_s, load_s, plan.num_workers)
+    eval_s, _ = step_model(timing["eval_s"] * scale, load_s, plan.num_workers)
+    return step_s, eval_s
+
+
 def efficiency_of(hw: dict, plan: Plan, measured: dict | None) -> dict:
     """The scaling efficiency used and where it comes from: measured over one node's CPU ranks
     (across nodes: set or assumed), set by the entry, or assumed."""
@@ -272,8 +287,6 @@ def with_forecast(adv: dict, forecast: dict) -> dict:
         return {**o, "hours": round(hours * o["time"], 3), "device_hours": round(dh, 3),
                 "cost_money": None if per_device_hour is None else round(dh * per_device_hour, 2)}
     return {**adv, "options": [figures(o) for o in adv["options"]]}
-
-
 
 
 def make(runs: list[dict], loader: dict, plan: Plan, hw: dict, model: dict, train: dict,

@@ -22,6 +22,10 @@ from imgclf.errors import UserError
 # 23028 MiB = 24.1 GB) read as GB are at most the real memory, never more.
 GB = 1e9
 MIB = 2**20
+# Share of a node's RAM (the entry's ram_gb) that the jobs of a node ask a scheduler for
+# together: the rest stays for the OS and the node's daemons (a node's RealMemory is below its
+# RAM). A loader plan (`loader.ram_margin`) within it fits every job of the plan.
+JOB_MEM_FRACTION = 0.9
 
 
 def gb(n_bytes: float) -> float:
@@ -199,6 +203,51 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def device_cpus(entry: dict) -> int:
+    """One device's share of its node's CPUs (at least one): what one rank's loader plan is
+    chosen for (the loader benchmark's worker grid) and what a job of one device asks a
+    scheduler for."""
+    return max(1, int(entry["cpus_per_node"]) // int(entry["devices_per_node"]))
+
+
+def _cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
+                         root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory limit of this process's cgroup and the cgroups above it (the smallest), in
+    bytes; None where none is set. cgroup v1 (`memory.limit_in_bytes` under the memory
+    controller's tree) and v2 (`memory.max`); a scheduler such as Slurm's task/cgroup sets it
+    on the job and its steps."""
+    try:
+        lines = open(proc_cgroup).read().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified tree
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                value = open(os.path.join(base, *parts[:depth], name)).read().strip()
+            except OSError:
+                continue
+            if value.isdigit():
+                limits.append(int(value))
+    total = psutil.virtual_memory().total
+    limits = [n for n in limits if n < total]  # v1 writes "no limit" as a huge number
+    return min(limits) if limits else None
+
+
+def job_limits() -> dict:
+    """The CPUs and memory this process may use, as a scheduler confines a job: its CPU
+    affinity and its cgroup's memory limit (None: no limit, the machine's memory)."""
+    return {"cpus": usable_cpus(), "memory_bytes": _cgroup_memory_limit()}
 
 
 def machine() -> dict:

@@ -165,6 +165,13 @@ def read(path) -> Index:
                  max_image_pixels=header["max_image_pixels"], body=body, starts=starts)
 
 
+def images(path) -> int:
+    """How many files an index holds, from its header alone (what a job's time request needs,
+    evaluated for each job while Snakemake plans)."""
+    with open(path, "rb") as f:
+        return sum(json.loads(f.readline())["counts"])
+
+
 def read_bad_files(path) -> set[str]:
     """The files listed in a `BAD_FILES` list."""
     try:

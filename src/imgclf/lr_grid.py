@@ -39,6 +39,17 @@ def run_length(spec: dict, training_epochs: int) -> tuple[int, int | None]:
     return max(1, round(b["fraction"] * training_epochs)), None
 
 
+def run_batches(spec: dict, training_epochs: int, batches_per_epoch: int,
+                accumulate: int) -> tuple[int, int]:
+    """(micro-batches per rank, validation passes) of a validation run: its epochs of the
+    training's batches, cut at its steps budget, validated once per epoch begun."""
+    epochs, max_steps = run_length(spec, training_epochs)
+    micro = epochs * batches_per_epoch
+    if max_steps is not None:
+        micro = min(micro, max_steps * accumulate)
+    return micro, -(-micro // max(1, batches_per_epoch))
+
+
 def warmup_fraction(recipe, training_epochs: int) -> float:
     """The share of the run the recipe warms up for in a full training (5 of 90 epochs for
     goyal), kept in the short run: the schedule is compressed, not cut off."""

@@ -44,6 +44,7 @@ def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int | 
     precision: its figures stand in for the entry's, which they are not (the forecast says
     so)."""
     device = devices.claim_device(hw, model["precision"], what)  # before any work
+    devices.check_share(plan, what)
     precision = model["precision"] if device is not None else "32"
     device = device or torch.device("cpu")
     batch = batch or plan.per_device_batch

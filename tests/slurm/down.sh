@@ -35,7 +35,16 @@ if grep -qF "$MARK" /etc/hosts; then
     kept=$(grep -vF "$MARK" /etc/hosts)
     printf '%s\n' "$kept" > /etc/hosts
 fi
-for f in /etc/slurm/slurm.conf /etc/slurm/gres.conf /etc/slurm/slurmdbd.conf; do
+# each slurmd's cgroup trees (/sys/fs/cgroup/<controller>/slurm_<node>), emptied bottom-up
+if [ -f "$STATE/netns" ]; then
+    while read -r ns; do
+        for tree in /sys/fs/cgroup/*/"slurm_$ns"; do
+            [ -d "$tree" ] && find "$tree" -depth -type d -exec rmdir {} + 2>/dev/null
+        done
+    done < "$STATE/netns"
+fi
+for f in /etc/slurm/slurm.conf /etc/slurm/gres.conf /etc/slurm/slurmdbd.conf \
+         /etc/slurm/cgroup.conf; do
     [ -f "$f" ] && grep -qF "$MARK" "$f" && rm -f "$f"
 done
 rm -rf "$STATE"

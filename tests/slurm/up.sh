@@ -10,9 +10,13 @@
 # job that asks for a GPU is refused, as on a real CPU partition. Two more form partition spare,
 # for a test that sets one of them down while a job that needs both waits there, and the other
 # tests' jobs run on in partition debug (a node in both partitions would be held for the job
-# that waits). Two nodes of partition gpu carry typed GPUs, 8 `a100` and 4 `a10g` each, and
-# the CPUs and memory of a p4 node: they take no job (nothing here has a GPU), but slurmctld
-# accepts or refuses the sbatch line of each GPU job against them (`sbatch --test-only`).
+# that waits). Two nodes of partition gpu carry typed GPUs, 8 `a100`, 4 `a10g` and 4
+# `Tesla_V100` (a type with capitals, which Slurm compares case-sensitively) each, and the CPUs
+# and memory of a p4 node: they take no job (nothing here has a GPU), but slurmctld accepts or
+# refuses the sbatch line of each GPU job against them (`sbatch --test-only`). Partition short
+# holds the debug nodes under a MaxTime of 60 minutes, as a site's shorter partition would.
+# Every job is confined as on a production cluster (task/cgroup, cgroup v1): it sees only the
+# CPUs it asked for and is killed when it uses more memory than it asked for.
 #   STATE=/tmp/imgclf-slurm NODES=2 tests/slurm/up.sh
 set -euo pipefail
 source "$(dirname "$0")/daemons.sh"
@@ -21,7 +25,7 @@ NODES="${NODES:-2}"
 ALL=$((NODES + 2))
 SPARE="imgclf-n[$((NODES + 1))-$ALL]"
 GPU_NODES=(imgclf-g1 imgclf-g2)
-GPU_GRES="gpu:a100:8,gpu:a10g:4"
+GPU_GRES="gpu:a100:8,gpu:a10g:4,gpu:Tesla_V100:4"
 CONF=/etc/slurm/slurm.conf   # the plugin's job step drops SLURM_CONF: only this path works
 DBD_CONF=/etc/slurm/slurmdbd.conf
 MARK="# throw-away cluster of tests/slurm/up.sh"
@@ -159,9 +163,10 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=$NET.1
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30
-# no systemd, no cgroups here
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+# jobs confined to the CPUs and memory they asked for (cgroup.conf), as on production
+# clusters; no systemd here
+ProctrackType=proctrack/cgroup
+TaskPlugin=task/cgroup,task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 # finished jobs stay in squeue for the status path of clusters without accounting
@@ -169,6 +174,9 @@ MinJobAge=300
 # the main scheduling loop every 5 s (Slurm's default 60 s): a requeued job whose wait is over
 # starts then, where no event would start it sooner
 SchedulerParameters=sched_interval=5
+# a job asking for more than its partition allows (a time above its MaxTime) is refused when it
+# is submitted, as production sites refuse it, rather than left pending for good
+EnforcePartLimits=ALL
 # a node set DOWN by hand stays down until "scontrol update ... state=resume"
 ReturnToService=1
 # a cancelled or failed step's tasks get SIGKILL 10 s after SIGTERM (Slurm's default is 30)
@@ -180,16 +188,25 @@ SlurmdParameters=config_overrides
 ${node_lines}PartitionName=debug Nodes=imgclf-n[1-$NODES] Default=YES MaxTime=INFINITE State=UP
 PartitionName=spare Nodes=$SPARE MaxTime=INFINITE State=UP
 PartitionName=gpu Nodes=imgclf-g[1-2] MaxTime=INFINITE State=UP
+PartitionName=short Nodes=imgclf-n[1-$NODES] MaxTime=60 State=UP
+CONF
+cat > /etc/slurm/cgroup.conf <<CONF
+$MARK
+CgroupPlugin=cgroup/v1
+CgroupMountpoint=/sys/fs/cgroup
+ConstrainCores=yes
+ConstrainRAMSpace=yes
 CONF
 # Each pretend GPU a character device of its own, as Slurm counts a node's GPUs by their files:
 # copies of /dev/null, which no job here opens
 mkdir -p "$STATE/dev"
-for i in $(seq 0 11); do mknod "$STATE/dev/gpu$i" c 1 3; done
+for i in $(seq 0 15); do mknod "$STATE/dev/gpu$i" c 1 3; done
 cat > /etc/slurm/gres.conf <<CONF
 $MARK
 AutoDetect=off
 NodeName=imgclf-g[1-2] Name=gpu Type=a100 File=$STATE/dev/gpu[0-7]
 NodeName=imgclf-g[1-2] Name=gpu Type=a10g File=$STATE/dev/gpu[8-11]
+NodeName=imgclf-g[1-2] Name=gpu Type=Tesla_V100 File=$STATE/dev/gpu[12-15]
 CONF
 
 for _ in $(seq 1 60); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.5; done
@@ -205,11 +222,12 @@ for node in "${nodes[@]}"; do
 done
 
 for _ in $(seq 1 120); do
-    idle=$(sinfo -h -N -o "%N %T" 2>/dev/null | awk '$2 == "idle"' | wc -l)
+    idle=$(sinfo -h -N -o "%N %T" 2>/dev/null | sort -u | awk '$2 == "idle"' | wc -l)
     if [ "$idle" = "${#nodes[@]}" ]; then
         echo "Slurm cluster up: nodes ${nodes[*]} on $NET.0/24, partitions debug" \
              "(imgclf-n[1-$NODES], $cpus CPUs, ${mem_mb} MB, no GPU), spare ($SPARE) and gpu" \
-             "(${GPU_NODES[*]}: $GPU_GRES, 96 CPUs, no job runs there)," \
+             "(${GPU_NODES[*]}: $GPU_GRES, 96 CPUs, no job runs there), short (the debug nodes," \
+             "MaxTime 60 minutes), jobs confined by cgroups," \
              "accounting by slurmdbd (account demo); state in $STATE"
         exit 0
     fi

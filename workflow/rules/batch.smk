@@ -31,11 +31,9 @@ rule batch_lr_find:
         "logs/batch/{cluster}/lr_x{multiple}.log",
     benchmark:
         "benchmarks/batch_lr/{cluster}_x{multiple}.tsv"
-    # CPU ranks: the machine's CPUs (one job at a time); a GPU: one, as an LR run
-    threads: cpu_rank_cpus
+    threads: rank_cpus
     resources:
-        **slurm_cpus(cpu_rank_cpus),
-        **gpu_job_resources(one_device),
+        **device_job(rank_cpus),
     params:
         p=lambda wc: slices.batch_lr_params(config, wc.cluster, wc.multiple),
     script:
@@ -49,6 +47,7 @@ rule batch_run:
     target), another until it reaches the target. Checkpoints stay in its folder's
     checkpoints/, not an output, so a killed run resumes."""
     input:
+        unpack(short_run_pace),
         memory="results/memory/{cluster}.json",
         lr="results/batch/{cluster}/x{multiple}/lr.json",
         target=batch_target,
@@ -65,6 +64,9 @@ rule batch_run:
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
         **training_resources(),
+        **short_run_time(
+            lambda wc: slices.batch_run_params(config, wc.cluster, wc.multiple)
+        ),
     params:
         p=lambda wc: json.dumps(
             slices.batch_run_params(config, wc.cluster, wc.multiple), sort_keys=True

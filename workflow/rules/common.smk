@@ -3,7 +3,7 @@ import json
 import sys
 from pathlib import Path
 
-from imgclf import artifacts, budget, lr_grid, lr_validation, provenance, report_tables
+from imgclf import artifacts, lr_grid, lr_validation, provenance, report_tables
 
 # the CLI of the environment Snakemake runs in (it need not be on PATH)
 IMGCLF = str(Path(sys.executable).parent / "imgclf")
@@ -13,65 +13,6 @@ wildcard_constraints:
     cluster="|".join(sorted(config["clusters"], key=len, reverse=True)),
     run=r"\d+",
     table="|".join(report_tables.TABLES),
-
-
-def training_resources():
-    """Resources of a job that trains (train_model, validate_lr_run, batch_run), one lambda
-    per key of slurm_jobs.train_resources: the GPU pool locally, the allocation and srun line
-    under Slurm."""
-    return {
-        key: (lambda wc, key=key: slurm_jobs.train_resource(workflow, hw(wc), key))
-        for key in slurm_jobs.TRAIN_RESOURCE_KEYS
-    }
-
-
-def gpu_job_resources(count):
-    """Resources of a one-node job that asks for `count(wildcards)` GPUs of its entry, one
-    lambda per key of slurm_jobs.gpu_resources: the count from this machine's `gpu` pool locally,
-    a request naming the entry's GPU type under Slurm."""
-    return {
-        key: (
-            lambda wc, key=key: slurm_jobs.gpu_resources(
-                hw(wc), count(wc), slurm_jobs.workflow_on_slurm(workflow)
-            )[key]
-        )
-        for key in slurm_jobs.GPU_RESOURCE_KEYS
-    }
-
-
-def one_device(wildcards):
-    """The devices a one-device job of the entry asks for: 1 with GPUs (or Apple's MPS, the
-    local pool's one device), 0 for an entry of CPU ranks, which a CPU partition without GPUs
-    must accept."""
-    return int(hw(wildcards)["accelerator"] != "cpu")
-
-
-def node_cpus(wildcards):
-    """Threads of a job that takes its node's CPUs: the entry's `cpus_per_node`."""
-    return hw(wildcards)["cpus_per_node"]
-
-
-def cpu_rank_cpus(wildcards):
-    """Threads of a job that computes on one device: a node's CPUs for an entry of CPU ranks,
-    one beside a GPU, which computes."""
-    return node_cpus(wildcards) if hw(wildcards)["accelerator"] == "cpu" else 1
-
-
-def slurm_cpus(threads):
-    """Resources of a job that computes on `threads(wildcards)` CPUs of its node, one lambda per
-    key of slurm_jobs.cpu_resources: under Slurm those CPUs and their share of the node's memory,
-    unset elsewhere. The submitting Snakemake caps a rule's threads at its --cores, `cores: all`
-    of profiles/default, which a --profile cannot override: on a login node, fewer CPUs than a
-    compute node has. Inside the allocation the job runs with `--cores all`, its CPUs, and so
-    gets its threads back."""
-    return {
-        key: (
-            lambda wc, key=key: slurm_jobs.cpu_resources(
-                hw(wc), threads(wc), slurm_jobs.workflow_on_slurm(workflow)
-            )[key]
-        )
-        for key in slurm_jobs.CPU_RESOURCE_KEYS
-    }
 
 
 def hw(wildcards):
@@ -184,16 +125,6 @@ def lr_validation_runs(cluster, steps=None):
         f"results/lr/{cluster}/validate/x{lr_grid.multiple_name(m)}/train_summary.json"
         for m in multiples
     ]
-
-
-def lr_run_threads(wildcards):
-    """CPU: the LR runs share the machine's cores in rounds, none left idle (budget); a GPU:
-    one thread, the device computes."""
-    entry = hw(wildcards)
-    if entry["accelerator"] != "cpu":
-        return 1
-    runs = config["lr_finder"]["runs"]
-    return budget.threads_for_run(int(wildcards.run), runs, entry["cpus_per_node"])
 
 
 def lr_runs(cluster):

@@ -30,9 +30,9 @@ rule forecast:
         "results/forecast/{cluster}.json",
     log:
         "logs/forecast/{cluster}.log",
-    threads: cpu_rank_cpus
+    threads: forecast_cpus
     resources:
-        **slurm_cpus(cpu_rank_cpus),
+        **slurm_cpus(forecast_cpus),
     params:
         p=lambda wc: slices.forecast_params(config, wc.cluster),
     script:

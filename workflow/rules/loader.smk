@@ -27,11 +27,11 @@ rule benchmark_loader:
         "logs/loader/{cluster}.log",
     benchmark:
         "benchmarks/loader/{cluster}.tsv"
-    threads: node_cpus  # timing needs the machine to itself
+    # one rank's loader, in one device's share of the node; a GPU entry's loaders pin memory,
+    # as training's do, on a GPU the job claims
+    threads: device_cpus
     resources:
-        **slurm_cpus(node_cpus),
-        # a GPU entry's loaders pin memory, as training's do, on a GPU the job claims
-        **gpu_job_resources(one_device),
+        **device_job(device_cpus),
     params:
         p=lambda wc: slices.loader_params(config, wc.cluster),
         census=verdict_census,

@@ -12,10 +12,9 @@ rule lr_find:
         "logs/lr/{cluster}/run{run}.log",
     benchmark:
         "benchmarks/lr_find/{cluster}_run{run}.tsv"
-    threads: lr_run_threads
+    threads: lr_run_cpus
     resources:
-        **slurm_cpus(lr_run_threads),
-        **gpu_job_resources(one_device),
+        **device_job(lr_run_cpus),
     params:
         p=lambda wc: slices.lr_find_params(config, wc.cluster),
     script:

@@ -1,8 +1,5 @@
 # No conda:/container: on these rules (the lint remark): their software is the imgclf package
 # that run.sh installs into .venv from the lock in requirements/; see the comment in the Snakefile.
-from imgclf import memory as memory_solve
-
-
 rule solve_memory:
     """Largest per-device batch under the safety margin, accumulation to the recipe's global
     batch, loader workers/prefetch within the host RAM budget."""
@@ -24,12 +21,9 @@ rule solve_memory:
         "logs/memory/{cluster}.log",
     benchmark:
         "benchmarks/memory/{cluster}.tsv"
+    threads: memory_cpus
     resources:
-        **gpu_job_resources(
-            lambda wc: memory_solve.gpus_to_request(
-                config["memory"], hw(wc), slurm_jobs.workflow_on_slurm(workflow)
-            )
-        ),
+        **device_job(memory_cpus, memory_gpus),
     params:
         p=lambda wc: slices.memory_params(config, wc.cluster),
     script:

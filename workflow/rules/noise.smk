@@ -29,11 +29,9 @@ rule noise_scale:
         "logs/noise/{cluster}.log",
     benchmark:
         "benchmarks/noise_scale/{cluster}.tsv"
-    # CPU ranks: the machine's CPUs (one job); a GPU: one, as an LR run
-    threads: cpu_rank_cpus
+    threads: rank_cpus
     resources:
-        **slurm_cpus(cpu_rank_cpus),
-        **gpu_job_resources(one_device),
+        **device_job(rank_cpus),
     params:
         p=lambda wc: slices.noise_scale_params(config, wc.cluster),
     script:

@@ -54,10 +54,7 @@ rule train_model:
     resources:
         **training_resources(),
         # under Slurm: the forecast's time up to the partition's limit, then a requeue
-        runtime=lambda wc, input: slurm_jobs.train_runtime(input.forecast, hw(wc)),
-        slurm_extra=lambda wc, input: slurm_jobs.train_slurm_extra(
-            input.forecast, hw(wc)
-        ),
+        **training_time(),
     params:
         p=lambda wc: json.dumps(slices.train_params(config, wc.cluster), sort_keys=True),
         lr=lambda wc, input: f"--lr-file {input.lr}" if input.lr else "",
@@ -84,10 +81,9 @@ rule evaluate:
         ),
     log:
         "logs/eval/{cluster}.log",
-    threads: node_cpus
+    threads: rank_cpus
     resources:
-        **slurm_cpus(node_cpus),
-        **gpu_job_resources(one_device),
+        **device_job(rank_cpus),
     params:
         p=lambda wc: json.dumps(
             slices.evaluate_params(config, wc.cluster), sort_keys=True

@@ -15,6 +15,7 @@ rule validate_lr_run:
     shape). Checkpoints stay in results/lr/{cluster}/validate/x{multiple}/checkpoints/, not an
     output, so a killed run resumes."""
     input:
+        unpack(short_run_pace),
         memory="results/memory/{cluster}.json",
         lr="results/lr/{cluster}_summary.json",
         train_index=train_index,
@@ -30,6 +31,9 @@ rule validate_lr_run:
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
         **training_resources(),
+        **short_run_time(
+            lambda wc: slices.validate_lr_run_params(config, wc.cluster, wc.multiple)
+        ),
     params:
         p=lambda wc: json.dumps(
             slices.validate_lr_run_params(config, wc.cluster, wc.multiple),

@@ -27,12 +27,12 @@ from imgclf import data, devices, hardware, plots, provenance, recipes
 from imgclf.errors import UserError
 from imgclf.loader_bench.choice import (baseline_block, choice_block, choose, cost,
                                         decoder_bests, describe_config)
-from imgclf.loader_bench.timing import (GB, PeakMemory, buffer_bytes, cpus_per_device,
+from imgclf.loader_bench.timing import (GB, PeakMemory, buffer_bytes,
                                         default_workers, grid, measurable_here, planned_batch,
                                         rss_kind, time_config, torch_threads, tree_bytes)
 
 __all__ = ["CSV_FIELDS", "GB", "PeakMemory", "Setup", "baseline_block", "benchmark",
-           "buffer_bytes", "choice_block", "choose", "cost", "cpus_per_device", "decoder_bests",
+           "buffer_bytes", "choice_block", "choose", "cost", "decoder_bests",
            "default_workers", "describe_config", "grid", "measurable_here", "plan",
            "planned_batch", "rss_kind", "run", "time_config", "torch_threads",
            "tree_bytes", "write_csv"]
@@ -83,20 +83,21 @@ def plan(loader: dict, workers: list[int]) -> list[tuple[str, int, int, str]]:
 
 def pins_memory(hw: dict) -> bool:
     """Whether the timed loaders pin memory, as training's do on a GPU: for an entry of GPUs,
-    where this machine has one, on a GPU of the entry's model claimed as every GPU stage claims
-    one (devices.claim_gpus), so that the CUDA context pinning opens lands on a GPU this job
-    holds, not on GPU 0 whoever uses it."""
+    where this machine has one, on a GPU of the entry's model claimed and checked as every GPU
+    stage's (devices.claim_device), so that the CUDA context pinning opens lands on a GPU this
+    job holds, not on GPU 0 whoever uses it, and a driver too old for the build is one
+    sentence, not an error inside CUDA."""
     if hw["accelerator"] != "gpu":
         return False
-    devices.claim_gpus(1, f"The loader benchmark of cluster {hw['name']!r}", hw)
-    return torch.cuda.is_available()
+    device = devices.claim_device(hw, "32", f"The loader benchmark of cluster {hw['name']!r}")
+    return device is not None
 
 
 def prepare(source: str, loader: dict, model: dict, hw: dict) -> Setup:
     """The batch, RAM budget, worker grid, plan and data sets of one run."""
     recipe = recipes.get(model["recipe"])
     here = hardware.machine()
-    cpus_device = cpus_per_device(hw)
+    cpus_device = hardware.device_cpus(hw)
     workers = (default_workers(cpus_device, here["cpus"]) if loader["workers"] == "auto"
                else sorted(set(loader["workers"])))
     batch = planned_batch(loader, hw, recipe)
@@ -168,6 +169,20 @@ def cluster_note(s: Setup) -> str | None:
             f"machine's, not {name}'s; run this rule on a {name} node for its own figures.")
 
 
+def measured_share(s: Setup) -> dict:
+    """The share of a node the figures were measured in: one device's CPUs and RAM budget, as
+    one training rank's loader gets them, beside what this job could use (its CPU affinity and
+    its memory limit, as a scheduler confined it)."""
+    job = hardware.job_limits()
+    log.info("measuring in one device's share of a node: %d CPU(s) and %.2f GB per device; this "
+             "job may use %d CPU(s) and %s", s.cpus_device, s.budget / GB, job["cpus"],
+             "this machine's memory" if job["memory_bytes"] is None
+             else f"{job['memory_bytes'] / GB:.2f} GB")
+    return {"what": "one device's share of a node: one training rank's loader",
+            "cpus_per_device": s.cpus_device, "ram_budget_bytes_per_device": s.budget,
+            "job_cpus": job["cpus"], "job_memory_bytes": job["memory_bytes"]}
+
+
 def assemble(s: Setup, rows: list[dict], pick: dict) -> dict:
     """The report: the choice, the baseline beside it, the best per decode path, the rows."""
     choice = choice_block(pick)
@@ -183,6 +198,7 @@ def assemble(s: Setup, rows: list[dict], pick: dict) -> dict:
         "cluster_cpus_exceed_this_machine": note is not None, "note": note,
         "this_machine": {k: s.here[k] for k in ("cpus", "ram_gb", "gpus")},
         "cpus_per_device": s.cpus_device, "main_process_threads": MAIN_PROCESS_THREADS,
+        "share": measured_share(s),
         "pin_memory": s.pin,
         "baseline": baseline_block(baseline_key(s.loader), rows, choice, s.batch_bytes,
                                    s.here["cpus"]),

@@ -73,11 +73,6 @@ class PeakMemory:
 
 # --- the grid -------------------------------------------------------------------------------
 
-def cpus_per_device(hw: dict) -> int:
-    """The CPUs of a node shared out over its devices (at least one)."""
-    return max(1, hw["cpus_per_node"] // hw["devices_per_node"])
-
-
 def default_workers(cpus_device: int, cpus_here: int) -> list[int]:
     """0 (loading in the training process), powers of two, and the device's CPU share, capped at
     the CPUs this machine has (more workers than cores measure contention, not the cluster)."""

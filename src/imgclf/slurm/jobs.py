@@ -16,13 +16,7 @@ import shlex
 import sys
 
 from imgclf.artifacts import forecast_seconds
-from imgclf.hardware import GB, MIB, local_device_count
-
-# Share of a node's RAM (the cluster entry's ram_gb) the training job asks for per node: the
-# rest stays for the OS and the node's Slurm daemons (a node's RealMemory is below its RAM).
-# It goes to Slurm as --mem-per-cpu: `mem_mb` is a sized resource, which cannot be left unset
-# by a rule outside Slurm, and Snakemake does not schedule on `mem_mb_per_cpu`.
-TRAIN_MEM_FRACTION = 0.9
+from imgclf.hardware import GB, JOB_MEM_FRACTION, MIB, device_cpus, local_device_count
 
 
 def on_slurm(executor: str | None, remote_mode: bool) -> bool:
@@ -61,18 +55,47 @@ def declare_gpu_pool(workflow) -> None:
         workflow.register_resource("gpu", count)
 
 
+def node_memory_mb(cluster: dict) -> int:
+    """What the jobs of one node ask for together: JOB_MEM_FRACTION of its `ram_gb`, in Slurm's
+    MB (MiB). It goes to Slurm as --mem-per-cpu: `mem_mb` is a sized resource, which cannot be
+    left unset by a rule outside Slurm, and Snakemake does not schedule on `mem_mb_per_cpu`."""
+    return int(float(cluster["ram_gb"]) * GB / MIB * JOB_MEM_FRACTION)
+
+
+def memory_mb_per_cpu(cluster: dict, cpus: int) -> int:
+    """--mem-per-cpu of a job of `cpus` of its node's CPUs: the node's memory in proportion to
+    the CPUs its devices' shares cover (hardware.device_cpus each), so that a job of one
+    device's CPUs gets one device's share of the memory, which its loader plan assumes, where
+    the CPUs do not divide evenly among the devices; a job of the node's CPUs, the node's."""
+    used = min(int(cluster["cpus_per_node"]),
+               device_cpus(cluster) * int(cluster["devices_per_node"]))
+    return node_memory_mb(cluster) * min(cpus, used) // used // cpus
+
+
+def job_device_cpus(workflow, cluster: dict) -> int:
+    """Threads of a job of one device of `cluster`: one device's share of its node's CPUs
+    (hardware.device_cpus), under Slurm what the job asks for. Run on this machine, at most its
+    cores shared out over its `gpu` pool (the GPUs detected here, or --resources gpu=N), so
+    that on a machine smaller than the entry's node a job per GPU still runs side by side."""
+    share = device_cpus(cluster)
+    if workflow_on_slurm(workflow):
+        return share
+    pool, cores = (workflow.global_resources.get(k) for k in ("gpu", "_cores"))
+    gpus, cores = (int(getattr(v, "value", v) or 0) for v in (pool, cores))
+    return max(1, min(share, cores // gpus)) if gpus and cores else share
+
+
 def train_layout(cluster: dict) -> dict:
-    """One task per device (GPU, or CPU process without GPUs) on each of the entry's nodes; the
-    node's CPUs are split among its tasks."""
+    """One task per device (GPU, or CPU process without GPUs) on each of the entry's nodes, each
+    with one device's share of the node's CPUs and memory."""
     nodes, per_node = int(cluster["nodes"]), int(cluster["devices_per_node"])
     return {
         "nodes": nodes,
         "tasks_per_node": per_node,
         "world_size": nodes * per_node,
         "gpus_per_node": int(cluster["gpus_per_node"]),
-        "cpus_per_task": max(1, int(cluster["cpus_per_node"]) // per_node),
-        # Slurm's MB are MiB
-        "mem_mb_per_node": int(float(cluster["ram_gb"]) * GB / MIB * TRAIN_MEM_FRACTION),
+        "cpus_per_task": device_cpus(cluster),
+        "mem_mb_per_cpu": memory_mb_per_cpu(cluster, device_cpus(cluster)),
     }
 
 
@@ -103,13 +126,15 @@ GPU_TYPE = re.compile(r"[A-Za-z0-9_.]+")
 
 
 def gpu_type(cluster: dict) -> str | None:
-    """The name this cluster's Slurm gives the entry's GPU: `slurm_gpu_type`, else the entry's
-    `gpu_model` in lower case (`a100`); None where no GPU model is named (an `auto` entry
-    resolves to the full name of a GPU, which is no Slurm type) or `slurm_gpu_request` is
-    `untyped`."""
+    """The name this cluster's Slurm gives the entry's GPU: `slurm_gpu_type` as written (Slurm
+    compares types case-sensitively: `A100`, `Tesla_V100`), else the entry's `gpu_model` in
+    lower case (`a100`); None where no GPU model is named (an `auto` entry resolves to the full
+    name of a GPU, which is no Slurm type) or `slurm_gpu_request` is `untyped`."""
     if cluster["slurm_gpu_request"] == "untyped" or not cluster["gpus_per_node"]:
         return None
-    name = str(cluster.get("slurm_gpu_type") or cluster.get("gpu_model", "")).lower()
+    if cluster.get("slurm_gpu_type"):
+        return str(cluster["slurm_gpu_type"])
+    name = str(cluster.get("gpu_model", "")).lower()
     return name if GPU_TYPE.fullmatch(name) and name not in ("none", "unknown", "auto") else None
 
 
@@ -162,7 +187,7 @@ def train_resources(cluster: dict, slurm: bool) -> dict:
         # bind one GPU per task (the plugin derives it from `tasks` when this is unset)
         "tasks_per_gpu": 0 if gpus else None,
         "cpus_per_task": lay["cpus_per_task"],
-        "mem_mb_per_cpu": lay["mem_mb_per_node"] // (per_node * lay["cpus_per_task"]),
+        "mem_mb_per_cpu": lay["mem_mb_per_cpu"],
         "launch": launch,
         "mpi": launch if world > 1 else "",
     }
@@ -173,12 +198,12 @@ def cpu_resources(cluster: dict, cpus: int, slurm: bool) -> dict:
     (a None value leaves the resource unset, as it is outside Slurm). Under Slurm those CPUs
     (--cpus-per-task, which the plugin takes before the job's threads: the submitting
     Snakemake caps threads at its own --cores, a login node's) and the node's memory in
-    proportion, at the training's share of it (--mem-per-cpu): a job of every CPU of a p4 node
-    decodes in 96 processes, beyond the profile's default `mem_mb`."""
+    proportion (memory_mb_per_cpu; --mem-per-cpu, which the plugin takes before `mem_mb`): a
+    job of one GPU gets one GPU's share, which its loader plan assumes, and a job of every CPU
+    of a p4 node, which decodes in 96 processes, the node's."""
     if not slurm:
         return dict.fromkeys(CPU_RESOURCE_KEYS)
-    per_cpu = train_layout(cluster)["mem_mb_per_node"] // int(cluster["cpus_per_node"])
-    return {"cpus_per_task": cpus, "mem_mb_per_cpu": per_cpu}
+    return {"cpus_per_task": cpus, "mem_mb_per_cpu": memory_mb_per_cpu(cluster, cpus)}
 
 
 def train_resource(workflow, cluster: dict, key: str):
@@ -188,43 +213,80 @@ def train_resource(workflow, cluster: dict, key: str):
 
 # --- trainings longer than the partition's time limit ----------------------------------------
 #
-# The training job asks for the forecast's time with a margin, up to the entry's
-# `slurm_time_limit_minutes`. Slurm sends SIGUSR1 to the training ranks REQUEUE_LEAD_S before
-# the limit (--signal, no `B:`: the step's tasks, not the batch shell); the ranks agree on it at
-# their next check, save last.ckpt and requeue the job (`scontrol requeue`: the same job id,
-# which the executor plugin keeps waiting on), which starts again and resumes from it.
+# A job that trains (the training, an LR validation run, a batch-curve run) asks for its time
+# with a margin, up to the entry's `slurm_time_limit_minutes`. Slurm sends SIGUSR1 to the ranks
+# REQUEUE_LEAD_S before the limit (--signal, no `B:`: the step's tasks, not the batch shell); the
+# ranks agree on it at their next check, save last.ckpt and requeue the job (`scontrol requeue`:
+# the same job id, which the executor plugin keeps waiting on), which starts again and resumes
+# from it.
 RUNTIME_MARGIN = 1.25  # the forecast's error (docs/benchmarks.md, "Forecast against actual")
 STARTUP_MINUTES = 10  # start-up, data set index, loader workers, checkpoint writes
 REQUEUE_LEAD_S = 300  # a check (10 batches), a validation pass, a checkpoint, Slurm's 60 s
-START_WITHIN_MINUTES = 1440  # a training job not started a day after its submission is removed
+START_WITHIN_MINUTES = 1440  # each start of a training job may wait a day for its nodes
 REQUEUE_DELAY_MINUTES = 3  # a requeued job waits out Slurm's cred_expire (120 s) first
 
 
-def train_request(forecast_path: str, cluster: dict) -> tuple[int, float]:
-    """(minutes the training job asks for, minutes the whole training takes), from one read of
-    the forecast: its time with RUNTIME_MARGIN and STARTUP_MINUTES, capped by the partition's
-    limit (`slurm_time_limit_minutes`; also what a plan without a forecast for its hardware
-    asks for, and then the whole training's time too)."""
+def time_request(seconds: float | None, cluster: dict) -> tuple[int, float]:
+    """(minutes a training job asks for, minutes the whole training takes) for `seconds` of
+    training: with RUNTIME_MARGIN and STARTUP_MINUTES, capped by the partition's limit
+    (`slurm_time_limit_minutes`; also what a job with no estimate of its time asks for, and
+    then the whole training's time too)."""
     limit = int(cluster["slurm_time_limit_minutes"])
-    total_s = forecast_seconds(forecast_path)
-    if total_s is None:
+    if seconds is None:
         return limit, limit
-    minutes = total_s * RUNTIME_MARGIN / 60 + STARTUP_MINUTES
+    minutes = seconds * RUNTIME_MARGIN / 60 + STARTUP_MINUTES
     return max(1, min(limit, math.ceil(minutes))), minutes
 
 
-def train_runtime(forecast_path: str, cluster: dict) -> int:
-    """The training job's time request in minutes (train_request)."""
-    return train_request(forecast_path, cluster)[0]
-
-
-def train_slurm_extra(forecast_path: str, cluster: dict) -> str:
-    """sbatch options of the training job: requeue at the time limit (the output file appended
-    to, not truncated, by the next start) and a deadline that leaves a day to start and room
-    for every requeued start."""
-    runtime, minutes = train_request(forecast_path, cluster)
+def requeue_options(seconds: float | None, cluster: dict) -> str:
+    """sbatch options of a job that trains for `seconds`: requeue at the time limit (the output
+    file appended to, not truncated, by the next start) and a deadline that removes a job that
+    cannot start. Only an operator may move a job's deadline (`scontrol update` refuses its
+    owner), so it is sized once: a day of waiting and the run for every start the time needs,
+    and one start more where it needs several (the estimate's error)."""
+    runtime, minutes = time_request(seconds, cluster)
     starts = math.ceil(minutes / runtime)
-    deadline = START_WITHIN_MINUTES + starts * (runtime + REQUEUE_DELAY_MINUTES)
+    starts += starts > 1
+    deadline = starts * (START_WITHIN_MINUTES + runtime + REQUEUE_DELAY_MINUTES)
     lead = min(REQUEUE_LEAD_S, runtime * 30)
     return (f"--requeue --signal=USR1@{lead} --open-mode=append "
             f"--deadline=now+{deadline}minutes")
+
+
+def short_run_seconds(params: dict, run_paths, loader_path, memory_path, train_index,
+                      val_index) -> float:
+    """Seconds of a short training of the entry's shape (an LR validation run or a batch-curve
+    run, `params` as its rule hands them to training): its micro-batches per rank and its
+    validation passes (lr_grid.run_batches, batch_grid.run_batches) at the pace the forecast
+    gives training (forecast.pace). What its time request is sized from."""
+    from imgclf import batch_grid, budget, forecast, index, lr_grid, recipes
+    from imgclf.artifacts import Plan, loader_report, lr_runs
+
+    hw, t = params["cluster"], params["train"]
+    plan = Plan.read(memory_path, hw["name"])
+    epochs = recipes.get(params["model"]["recipe"]).planned_epochs(t["epochs"])
+    train_images, world = index.images(train_index), plan.world_size
+    if params.get("batch_curve"):
+        batch, micro, passes = batch_grid.run_batches(params["batch_curve"], plan, epochs,
+                                                      train_images, t["limit_train_batches"])
+    else:
+        batch = plan.per_device_batch
+        per_epoch = budget.batches_per_rank(train_images, world, batch, True,
+                                            t["limit_train_batches"])
+        micro, passes = lr_grid.run_batches(params["validation"], epochs, per_epoch,
+                                            plan.accumulate_grad_batches)
+    step_s, eval_s = forecast.pace(lr_runs(run_paths), loader_report(loader_path, hw["name"]),
+                                   plan, hw, batch)
+    val_batches = budget.batches_per_rank(index.images(val_index), world, batch, False,
+                                          t["limit_val_batches"])
+    return micro * step_s + passes * val_batches * eval_s
+
+
+def train_runtime(forecast_path: str, cluster: dict) -> int:
+    """The training job's time request in minutes, from its forecast."""
+    return time_request(forecast_seconds(forecast_path), cluster)[0]
+
+
+def train_slurm_extra(forecast_path: str, cluster: dict) -> str:
+    """The training job's requeue options, from its forecast."""
+    return requeue_options(forecast_seconds(forecast_path), cluster)

@@ -24,7 +24,7 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 
-from imgclf import artifacts
+from imgclf import artifacts, devices
 from imgclf.data import BadImageError
 from imgclf.errors import UserError
 from imgclf.index import BAD_FILES, read_bad_files
@@ -51,6 +51,9 @@ def run(params: dict, memory_path, lr_file, out_dir,
     `target_file`: a batch-curve run's target (the plan batch's summary)."""
     t_start = time.perf_counter()
     job = prepare(params, memory_path, lr_file, out_dir, target_file)
+    # the ranks of a node share its job's memory: each says what it may use beside its plan
+    devices.check_share(job.plan, f"A training rank of cluster {job.cluster['name']!r}",
+                        processes=int(job.cluster["devices_per_node"]))
     fresh = job.resume["path"] is None
     expected = artifacts.forecast(forecast_path) if forecast_path else None
     if rank_zero_only.rank == 0:

@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from imgclf import provenance
 from imgclf.slurm import requeue
 from imgclf.slurm import task as slurm_task
-from imgclf.hardware import GB
+from imgclf.hardware import GB, job_limits
 from imgclf.gradient_noise import NormHook, unbiased_terms
 from imgclf.progress import PLAIN_EVERY_S, hms
 from imgclf.train.resume import supersede
@@ -194,7 +194,8 @@ class RunRecorder(Callback):
         # after the checkpoint's callback state is restored; also runs when nothing is left to train
         self.attempts += 1
         me = {"rank": trainer.global_rank, "host": socket.gethostname(), "pid": os.getpid(),
-              "torch_threads": torch.get_num_threads(), "slurm": slurm_task.task_info()}
+              "torch_threads": torch.get_num_threads(), "slurm": slurm_task.task_info(),
+              "job_limits": job_limits()}
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, me)
@@ -232,18 +233,25 @@ class RunRecorder(Callback):
 
 class RequeueAtTimeLimit(Callback):
     """Under Slurm, at the signal Slurm sends before the job's time limit (slurm.py): every
-    `every` batches the ranks agree whether any got it (one all-reduce of one number, and the
-    host synchronisation of reading it); then all save
+    `every` batches, rounded up to whole accumulation groups, the ranks agree whether any got
+    it (one all-reduce of one number, and the host synchronisation of reading it); then all save
     last.ckpt, rank 0 requeues the job, and they wait for Slurm to end this run. The next run
-    resumes from that checkpoint, mid-epoch. A job that cannot be requeued trains on, and is not
-    asked again."""
+    resumes from that checkpoint, mid-epoch, at the batch after it (data.ResumableLoader). A
+    save inside a group would lose the gradients accumulated so far, which no checkpoint holds.
+    A job that cannot be requeued trains on, and is not asked again."""
 
     def __init__(self, ckpt_dir: Path, every: int = 10):
         self.ckpt_dir, self.every = ckpt_dir, every
+        self.period = every  # batches between checks: whole accumulation groups (setup)
         self.gave_up = False  # the same on every rank: rank 0 broadcasts whether it requeued
 
+    def setup(self, trainer, pl_module, stage):
+        self.period = group_multiple(self.every, trainer.accumulate_grad_batches)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.gave_up or (batch_idx + 1) % self.every:
+        # batch_idx counts the epoch's batches, on after a resume; Lightning steps the optimizer
+        # after each accumulate_grad_batches of them (training_epoch_loop.py, _should_accumulate)
+        if self.gave_up or (batch_idx + 1) % self.period:
             return
         asked = torch.tensor([float(requeue.requeue_asked())], device=pl_module.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -276,6 +284,11 @@ class RequeueAtTimeLimit(Callback):
         if not requeued:
             signal.signal(signal.SIGTERM, handler)
         return requeued
+
+
+def group_multiple(batches: int, accumulate: int) -> int:
+    """`batches` rounded up to whole accumulation groups of `accumulate` batches."""
+    return -(-batches // accumulate) * accumulate
 
 
 class NoiseScaleLog(Callback):

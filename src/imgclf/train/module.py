@@ -55,6 +55,26 @@ def lr_schedule(optimizer, *, total_steps: int, warmup_steps: int,
 
 # --- model and data ------------------------------------------------------------------------------
 
+# the devices whose compiled kernels Triton builds, in Inductor's compile worker pool
+TRITON_DEVICES = ("cuda", "xpu")
+
+
+def start_compile_workers() -> None:
+    """Start Inductor's compile worker pool now, with the signals this process only notes
+    blocked (data.noted_signals_blocked), before a compile for a GPU starts it: its sidecar
+    starts by exec, which gives a handled signal its default action, and its workers are the
+    sidecar's forks. Slurm's requeue signal, sent to every process of the job step, would end
+    the sidecar, and the next compile (validation's, a new shape's) would fail ("Attempting to
+    use a closed pool") instead of the training requeueing; torch keeps the dead pool and
+    neither handles nor unblocks the signal there. On the CPU Inductor compiles in threads."""
+    if not data.noted_signals():
+        return
+    from torch._inductor.async_compile import AsyncCompile
+
+    with data.noted_signals_blocked():
+        AsyncCompile.warm_pool()
+
+
 class ImageClassifier(L.LightningModule):
     """ResNet with the recipe's loss, optimizer, batch mixing and LR schedule.
 
@@ -85,6 +105,8 @@ class ImageClassifier(L.LightningModule):
 
     def on_fit_start(self):
         if self.hparams.compile and self._compiled is None:
+            if self.device.type in TRITON_DEVICES:
+                start_compile_workers()
             object.__setattr__(self, "_compiled", torch.compile(self.model))
 
     def forward(self, x):
@@ -148,8 +170,9 @@ WORKER_PRELOAD = (pl_worker_init_function.__module__,)
 
 class ImageData(L.LightningDataModule):
     """The train/val data sets, built from the hydration check's file indexes, as loaders.
-    Lightning adds the DistributedSampler, except for a recipe with repeated augmentation,
-    whose sampler (itself distributed) is given here."""
+    The training loader resumes mid-epoch where its checkpoint left it (data.ResumableLoader),
+    through its sampler, given here: the DistributedSampler Lightning would add, or a recipe's
+    with repeated augmentation. Lightning adds the validation loader's."""
 
     def __init__(self, train_set, val_set, recipe: str, batch_size: int, num_workers: int,
                  prefetch_factor: int | None, pin_memory: bool, seed: int):
@@ -161,18 +184,24 @@ class ImageData(L.LightningDataModule):
 
     def _loader(self, dataset, train: bool):
         world = self.trainer.world_size if self.trainer else 1
-        sampler = None
-        if train and self.recipe.repeated_aug > 1:
-            sampler = data.RepeatedAugSampler(
-                dataset, world, self.trainer.global_rank if self.trainer else 0, seed=self.seed,
-                reps=self.recipe.repeated_aug)
         return data.loader(
             dataset, self.batch_size, self.num_workers, self.prefetch_factor, shuffle=train,
-            seed=self.seed, pin_memory=self.pin_memory, persistent_workers=True, sampler=sampler,
+            seed=self.seed, pin_memory=self.pin_memory, persistent_workers=True,
+            sampler=self._train_sampler(dataset, world) if train else None, resumable=train,
             worker_init_fn=self._seed_worker(),
             forkserver_preload=WORKER_PRELOAD,
             # a ragged last batch of 1 would break BatchNorm; keep it when it is all there is
             drop_last=train and len(dataset) // world >= self.batch_size)
+
+    def _train_sampler(self, dataset, world: int) -> data.ResumableSampler:
+        """The recipe's repeated augmentation, or the sampler Lightning would add: shuffled,
+        seeded with the run's seed (Lightning's is seed_everything's), none dropped."""
+        rank = self.trainer.global_rank if self.trainer else 0
+        if self.recipe.repeated_aug > 1:
+            return data.RepeatedAugSampler(dataset, world, rank, seed=self.seed,
+                                           reps=self.recipe.repeated_aug)
+        return data.ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                     seed=self.seed)
 
     def _seed_worker(self):
         """Lightning's per-worker seeding when seed_everything(workers=True) asked for it, which

@@ -43,8 +43,10 @@ def train_digest(params: dict, t: dict, plan, lr: dict, recipe) -> str:
         "world": [c["accelerator"], c["devices_per_node"], c["nodes"]],
         "plan": [plan.per_device_batch, plan.accumulate_grad_batches, plan.decoder],
         "lr": [lr["source"], lr["value"]],
-        # an LR validation run: its multiple and budget (absent from a real training's digest)
+        # an LR validation run: its multiple and budget; a batch-curve run: its multiple, budget
+        # and target (absent from a real training's digest)
         **({"validation": params["validation"]} if params.get("validation") else {}),
+        **({"batch_curve": params["batch_curve"]} if params.get("batch_curve") else {}),
     })
 
 
@@ -67,9 +69,24 @@ def find_resume(ckpt_dir: Path, digest: str) -> dict:
         return {"path": None, "info": None,
                 "note": f"{last} was written for another training (digest {old[:12]}, now "
                         f"{digest[:12]}): starting fresh, old checkpoints move to superseded/"}
-    return {"path": str(last), "info": info,
-            "note": f"resuming from {last} (epoch {info['epoch']}, step {info['global_step']}): "
-                    f"its training digest matches"}
+    note = (f"resuming from {last} (epoch {info['epoch']}, step {info['global_step']}): its "
+            f"training digest matches")
+    if saved_mid_epoch_without_position(ckpt):
+        note += (f"; it was saved mid-epoch by an earlier version, which kept no loader "
+                 f"position: the rest of epoch {info['epoch']} is drawn from its start again")
+    return {"path": str(last), "info": info, "note": note}
+
+
+def saved_mid_epoch_without_position(ckpt: dict) -> bool:
+    """Whether a checkpoint was saved in an unfinished epoch (as Lightning tells one: fit_loop.py,
+    FitLoop.restarting) without the training loader's position (FitLoop.on_save_checkpoint,
+    stored by loop.py as the loop's "state_dict"), which versions before data.ResumableLoader
+    did not save: such a resume draws the epoch's remaining batches from its first, as those
+    versions did, the first ones again and the last never."""
+    loop = ckpt.get("loops", {}).get("fit_loop", {})
+    current = loop.get("epoch_progress", {}).get("current", {})
+    unfinished = any(current.get(k) != current.get("processed") for k in ("ready", "started"))
+    return unfinished and not loop.get("state_dict", {}).get("combined_loader")
 
 
 def agreed_resume(ckpt_dir: Path, digest: str, backend: str, timeout: timedelta) -> dict:

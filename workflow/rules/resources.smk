@@ -1,0 +1,163 @@
+# What each job asks for: its threads, its GPUs, and under Slurm its CPUs, memory and time. The
+# requests are computed in imgclf.slurm.jobs; here each rule's kind of job is named:
+# - a job of the node's CPUs (the hydration check): node_cpus;
+# - a job of one device (the loader benchmark, the memory solve, the LR runs, the noise scale,
+#   the batch curve's range tests, the evaluation): one GPU's share of its node's CPUs and
+#   memory, which its loader plan assumes (an entry of CPU ranks: the node's CPUs for the
+#   stages that compute on them, its rounds for the LR runs);
+# - a job that trains (train_model, validate_lr_run, batch_run): the entry's nodes, one task
+#   per device with one device's share each, and a time request sized from its forecast or,
+#   for the short runs, from the LR runs' step times, with a requeue at the partition's limit.
+# The submitting Snakemake caps a rule's threads at its --cores (`cores: all` of
+# profiles/default, which a --profile cannot override: on a login node, fewer CPUs than a
+# compute node has), so under Slurm the CPUs go as the `cpus_per_task` resource, which the plugin
+# takes before threads; inside the allocation the job runs with `--cores all` and gets its
+# threads back.
+from imgclf import budget
+from imgclf import memory as memory_solve
+
+
+def node_cpus(wildcards):
+    """Threads of a job that takes its node's CPUs: the entry's `cpus_per_node`."""
+    return hw(wildcards)["cpus_per_node"]
+
+
+def device_cpus(wildcards):
+    """Threads of a job of one device: one device's share of its node's CPUs (run here, at most
+    this machine's cores per GPU: slurm_jobs.job_device_cpus)."""
+    return slurm_jobs.job_device_cpus(workflow, hw(wildcards))
+
+
+def rank_cpus(wildcards):
+    """Threads of a job that computes on one device: one GPU's share of the node's CPUs, or an
+    entry of CPU ranks' node, whose CPUs compute."""
+    return (
+        node_cpus(wildcards)
+        if hw(wildcards)["accelerator"] == "cpu"
+        else device_cpus(wildcards)
+    )
+
+
+def forecast_cpus(wildcards):
+    """The forecast times an entry of CPU ranks here (its node's CPUs); a GPU entry's it
+    computes in a second (one)."""
+    return node_cpus(wildcards) if hw(wildcards)["accelerator"] == "cpu" else 1
+
+
+def lr_run_cpus(wildcards):
+    """An LR run on one GPU: one GPU's share of the node. On CPU ranks the runs share the node's
+    cores in rounds, none left idle (budget.threads_for_run)."""
+    entry = hw(wildcards)
+    if entry["accelerator"] != "cpu":
+        return device_cpus(wildcards)
+    runs = config["lr_finder"]["runs"]
+    return budget.threads_for_run(int(wildcards.run), runs, entry["cpus_per_node"])
+
+
+def memory_gpus(wildcards):
+    """The memory solve asks for a GPU where it may measure on one (memory.gpus_to_request)."""
+    return memory_solve.gpus_to_request(
+        config["memory"], hw(wildcards), slurm_jobs.workflow_on_slurm(workflow)
+    )
+
+
+def memory_cpus(wildcards):
+    """One GPU's share where the memory solve measures on a GPU; one CPU where it estimates."""
+    return device_cpus(wildcards) if memory_gpus(wildcards) else 1
+
+
+def one_device(wildcards):
+    """The devices a one-device job of the entry asks for: 1 with GPUs (or Apple's MPS, the
+    local pool's one device), 0 for an entry of CPU ranks, which a CPU partition without GPUs
+    must accept."""
+    return int(hw(wildcards)["accelerator"] != "cpu")
+
+
+def slurm_cpus(threads):
+    """Resources of a job that computes on `threads(wildcards)` CPUs of its node, one lambda per
+    key of slurm_jobs.cpu_resources: under Slurm those CPUs and their share of the node's
+    memory, unset elsewhere."""
+    return {
+        key: (
+            lambda wc, key=key: slurm_jobs.cpu_resources(
+                hw(wc), threads(wc), slurm_jobs.workflow_on_slurm(workflow)
+            )[key]
+        )
+        for key in slurm_jobs.CPU_RESOURCE_KEYS
+    }
+
+
+def gpu_job_resources(count):
+    """Resources of a one-node job that asks for `count(wildcards)` GPUs of its entry, one
+    lambda per key of slurm_jobs.gpu_resources: the count from this machine's `gpu` pool
+    locally, a request naming the entry's GPU type under Slurm."""
+    return {
+        key: (
+            lambda wc, key=key: slurm_jobs.gpu_resources(
+                hw(wc), count(wc), slurm_jobs.workflow_on_slurm(workflow)
+            )[key]
+        )
+        for key in slurm_jobs.GPU_RESOURCE_KEYS
+    }
+
+
+def device_job(threads, count=one_device):
+    """Resources of a job on one device of its entry: its GPU and, under Slurm, the CPUs
+    `threads` gives it with their share of the node's memory."""
+    return {**slurm_cpus(threads), **gpu_job_resources(count)}
+
+
+def training_resources():
+    """Resources of a job that trains (train_model, validate_lr_run, batch_run), one lambda
+    per key of slurm_jobs.train_resources: the GPU pool locally, the allocation and srun line
+    under Slurm."""
+    return {
+        key: (lambda wc, key=key: slurm_jobs.train_resource(workflow, hw(wc), key))
+        for key in slurm_jobs.TRAIN_RESOURCE_KEYS
+    }
+
+
+def training_time():
+    """The training's time request and requeue options under Slurm, from its forecast."""
+    return {
+        "runtime": lambda wc, input: slurm_jobs.train_runtime(input.forecast, hw(wc)),
+        "slurm_extra": lambda wc, input: slurm_jobs.train_slurm_extra(
+            input.forecast, hw(wc)
+        ),
+    }
+
+
+def short_run_seconds(run_params, wildcards, input):
+    """Seconds of an LR validation or batch-curve run (slurm_jobs.short_run_seconds) under Slurm,
+    which sizes its time request; None elsewhere, where no time is asked for. An input not yet
+    made is the FileNotFoundError Snakemake takes for "decided once it exists" (<TBD>).
+    """
+    if not slurm_jobs.workflow_on_slurm(workflow):
+        return None
+    pace = (input.loader, input.memory, input.train_index, input.val_index)
+    for path in (*input.runs, *pace):
+        open(path).close()  # FileNotFoundError naming it, if it is not made yet
+    return slurm_jobs.short_run_seconds(run_params(wildcards), list(input.runs), *pace)
+
+
+def short_run_time(run_params):
+    """A short run's time request and requeue options under Slurm, sized from its step budget
+    and the LR runs' step times as training is from its forecast; `run_params(wildcards)`: the
+    params its rule hands to training."""
+    return {
+        "runtime": lambda wc, input: slurm_jobs.time_request(
+            short_run_seconds(run_params, wc, input), hw(wc)
+        )[0],
+        "slurm_extra": lambda wc, input: slurm_jobs.requeue_options(
+            short_run_seconds(run_params, wc, input), hw(wc)
+        ),
+    }
+
+
+def short_run_pace(wildcards):
+    """What a short run's time is paced from (`ancient`: a rerun LR run or loader benchmark
+    changes a time request, not the run): the LR runs and the loader benchmark."""
+    return {
+        "runs": [ancient(path) for path in lr_runs(wildcards.cluster)],
+        "loader": ancient(f"results/loader/{wildcards.cluster}.json"),
+    }
