@@ -49,6 +49,7 @@ include: "workflow/rules/forecast.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/validate.smk"
 include: "workflow/rules/batch.smk"
+include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -61,6 +61,12 @@ HOW = {
     "./run.sh lock --upgrade": "it moves the locks to newer releases, which is a decision",
     ".venv/bin/python -m pytest -m gpu": "it runs the GPU tests, skipped without a GPU",
     ".venv/bin/python benchmarks/gpu.py": "it needs a CUDA GPU",
+    "snakemake results/export/local": "test_predict.py runs it, as read here, in a copy of the "
+                                      "demo's complete run",
+    "imgclf predict results/export/local photos/ --out predictions.csv --top-k 3":
+        "test_predict.py runs it on the demo's validation folder in place of photos/",
+    "snakemake train --configfile finetune.yaml": "its weights file is one a user downloaded; "
+                                                  "test_init_from.py trains from init_from",
 }
 # What a real run must leave behind, beyond exit status 0 and no traceback.
 LEAVES = {

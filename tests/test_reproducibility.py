@@ -70,7 +70,9 @@ def table(name: str) -> str:
 
 
 # The jobs downstream of each stage, inclusive (the DAG of Snakefile; 2 LR runs in REDUCED).
-EVAL = {"evaluate", table("eval"), "all"}
+# the export reads the evaluation's figures and the trained weights
+EXPORT = {"export_model", "all"}
+EVAL = {"evaluate", table("eval")} | EXPORT
 TRAIN = {"train_model"} | EVAL
 # training takes the forecast as `ancient`: a new forecast (a price) does not retrain
 FORECAST = {"forecast", table("forecast"), "all"}
@@ -130,6 +132,10 @@ CONFIG_CASES = {
     # not in `all` either, unless `batch_curve.measure` (tests/test_batch_curve.py)
     "batch_curve without measure": ("batch_curve: {multiples: [1, 2], cap: 3}", set()),
     "evaluate": ("evaluate: {top_confused: 5}", EVAL),
+    "export": ("export: {check_images: 100}", EXPORT),
+    # a set to predict, added: its predictions alone (none are configured by default)
+    "predict: a set": ("predict: {sets: {val: results/demo/digits/val}}",
+                       {"predict[name=val]", "all"}),
     "hardware: g5 entry": ("clusters: {g5: {gpu_memory_gb: 48}}", set()),
     "hardware: local read floor": ("clusters: {local: {min_read_mb_s: 0.5}}", HYDRATION),
     "hardware: local CPU ranks": ("clusters: {local: {cpu_processes: 3}}", LOADER | SETTINGS),
@@ -166,6 +172,7 @@ CODE_CASES = {
     "train/module.py": ("train/module.py", (), TRAIN),
     "lr_grid.py (imported by training)": ("lr_grid.py", (), TRAIN),
     "evaluate.py": ("evaluate.py", (), EVAL),
+    "export.py": ("export.py", (), EXPORT),
     "forecast.py": ("forecast.py", (), FORECAST),
     "noise_scale.py": ("noise_scale.py", (), NOISE),
     "report_tables.py": ("report_tables.py", (), TABLES | {"all"}),

@@ -122,10 +122,12 @@ def rule_entries() -> dict[str, set[str]]:
 @pytest.fixture(scope="module")
 def listed_code(tmp_path_factory) -> dict[str, set[str]]:
     """{rule: the units its code() inputs name}, as Snakemake plans every job of the demo
-    through evaluation, the report tables, the LR validation and the batch curve."""
+    through evaluation, the export, a prediction set, the report tables, the LR validation and
+    the batch curve."""
     work = copy_workflow(tmp_path_factory.mktemp("structure") / "wf")
+    (work / "predict.yaml").write_text("predict: {sets: {demo: results/demo/digits/val}}\n")
     res = snakemake(work, "-n", "--forceall", "all", "results/lr/local_validation.json",
-                    "results/batch/local.json")
+                    "results/batch/local.json", "--configfile", "predict.yaml")
     assert res.returncode == 0, res.stderr[-3000:]
     listed, rule = {}, None
     for line in res.stdout.splitlines():

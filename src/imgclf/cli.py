@@ -140,6 +140,30 @@ def cmd_evaluate(args):
     print(json.dumps({k: report[k] for k in ("top1", "top5", "loss", "num_images")}))
 
 
+def cmd_export(args):
+    from imgclf import export
+
+    config = _config(args)
+    name = config["cluster"]
+    out = args.out_dir or f"results/export/{name}"
+    described = export.run(**slices.export_params(config, name),
+                           checkpoint=args.checkpoint or f"results/train/{name}/best.ckpt",
+                           summary_path=f"results/train/{name}/train_summary.json",
+                           evaluation_path=f"results/eval/{name}.json",
+                           memory_path=args.memory or f"results/memory/{name}.json",
+                           val_index=slices.index_files(name)["val"], out_dir=out)
+    print(json.dumps({"out": out, "onnx_top1_agreement":
+                      described["onnx"]["check"]["top1_agreement"]}))
+
+
+def cmd_predict(args):
+    from imgclf import predict
+
+    summary = predict.run(args.model_dir, args.paths, args.out, top_k=args.top_k,
+                          batch_size=args.batch_size, workers=args.workers)
+    print(json.dumps(summary))
+
+
 def _upstream(path: str, target: str) -> str:
     from pathlib import Path
 
@@ -314,6 +338,37 @@ def _ddp_commands(sub) -> None:
     p.add_argument("--confusion", default=None,
                    help="confusion PNG (default results/eval/CLUSTER_confusion.png)")
     p.set_defaults(fn=cmd_evaluate)
+
+    p = sub.add_parser("export", help="the evaluated model as results/export/CLUSTER/: "
+                       "safetensors weights, ONNX, torch.export program, model.json")
+    _common(p)
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint to export (default results/train/CLUSTER/best.ckpt)")
+    p.add_argument("--memory", default=None,
+                   help="memory solve JSON (default results/memory/CLUSTER.json)")
+    p.add_argument("--out-dir", default=None, help="default results/export/CLUSTER")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser(
+        "predict", help="top-k classes of image files with an exported model, as a CSV",
+        description="Predict the top-k classes of image files with an export folder "
+                    "(results/export/CLUSTER: model.safetensors, model.json; nothing else is "
+                    "read): one CSV row per file, `path,class_1,prob_1,...,class_K,prob_K,error`, "
+                    "the error column empty for a good file and saying why for a file that is "
+                    "no image, truncated or too large. Folders are searched recursively, their "
+                    "hidden files and folders skipped. Runs on a GPU where there is one, in fp32.")
+    p.add_argument("model_dir", metavar="MODEL_DIR",
+                   help="export folder, e.g. results/export/local")
+    p.add_argument("paths", metavar="PATH", nargs="+", help="image files or folders of them")
+    p.add_argument("--out", required=True, metavar="FILE.csv", help="the CSV to write")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="classes per image (default: the config schema's predict.top_k, 5)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="images per batch (default: predict.batch_size, 64)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="decoding processes (default: one per usable CPU but one, at most 16)")
+    p.add_argument("--log", default=None, help="also write the log to this file")
+    p.set_defaults(fn=cmd_predict)
 
 
 def main(argv=None):

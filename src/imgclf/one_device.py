@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from imgclf import data, devices, recipes
+from imgclf import data, devices, recipes, weights
 from imgclf.artifacts import Plan
 
 
@@ -55,6 +55,8 @@ def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int | 
     recipe = recipes.get(model["recipe"])
     train_set = data.train_dataset(source, plan.decoder, model["resolution"], recipe)
     net = recipes.build_model(model["arch"], len(train_set.classes), recipe.drop_path)
+    if model.get("init_from"):  # the weights a user has: the LR found is the fine-tuning's
+        weights.load_into(net, model["init_from"], model["arch"], classes=train_set.classes)
     if model["channels_last"]:
         net = net.to(memory_format=torch.channels_last)
     loader = data.loader(train_set, batch, plan.num_workers, plan.prefetch_factor, shuffle=True,

@@ -138,7 +138,7 @@ def provenance(config_slice=None, inputs=()) -> dict:
     }
 
 
-def _umask() -> int:
+def umask() -> int:
     """The process umask, read without changing it where Linux shows it (setting and restoring
     it would race with threads that create files meanwhile)."""
     try:
@@ -176,7 +176,7 @@ def atomic_path(path: str | os.PathLike):
     os.close(fd)
     try:
         yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~umask())
         _fsync(tmp)
         os.replace(tmp, path)
         _fsync(path.parent, directory=True)

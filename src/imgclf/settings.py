@@ -9,7 +9,7 @@ import functools
 import os
 from pathlib import Path
 
-from imgclf import hardware
+from imgclf import hardware, weights
 from imgclf.errors import UserError
 
 DEMO_ROOT = "results/demo/digits"
@@ -64,6 +64,8 @@ def checked(config: dict) -> dict:
             else "dataset.root"
         raise UserError(f"Data root {root} does not exist: set `{key}` to the folder that "
                         f"holds train/ and val/.")
+    # the weights to start from: there, and not the export the training of `cluster` writes
+    weights.check(config["model"].get("init_from"), name)
     return config
 
 

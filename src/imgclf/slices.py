@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from imgclf import artifacts, index, lr_grid
+from imgclf import artifacts, index, lr_grid, weights
 from imgclf.settings import cluster, data_root
 
 
@@ -85,6 +85,27 @@ def _root(config: dict, cluster_name: str) -> str:
     return os.path.normpath(data_root(config, cluster_name))
 
 
+def model_with_weights(config: dict, cluster_name: str) -> dict:
+    """`model.*` as the stages that run the model get it (the memory solve, the LR runs, the
+    noise scale, the batch curve's range tests and every `imgclf train`): `init_from`, where
+    set, as its path and the sha256 of its weights (weights.params_entry), so that a changed
+    file reruns them; absent where unset, so that a config without it plans what it planned
+    before the key existed. Training cluster `cluster_name` from its own export is refused."""
+    model = model_without_weights(config)
+    init = config["model"].get("init_from")
+    if init is not None:
+        weights.refuse_own_export(weights.spec_path(init), cluster_name)
+        model["init_from"] = weights.params_entry(init)
+    return model
+
+
+def model_without_weights(config: dict) -> dict:
+    """`model.*` less `init_from`, for the stages that never start from those weights (the
+    forecast's timing, the evaluation of a trained checkpoint): a new file reaches them through
+    their input files only."""
+    return {k: v for k, v in config["model"].items() if k != "init_from"}
+
+
 def census_key(cluster_name: str) -> dict | None:
     """Verdict and census digest of the hydration check's hand-off (None before the first
     check): what the stages after the check know of the data set's files."""
@@ -132,7 +153,7 @@ def memory_params(config: dict, cluster_name: str) -> dict:
     file, not config)."""
     return canonical({
         "memory": config["memory"],
-        "model": config["model"],
+        "model": model_with_weights(config, cluster_name),
         "hw": stage_hardware(config, cluster_name),
     })
 
@@ -153,7 +174,7 @@ def lr_find_params(config: dict, cluster_name: str) -> dict:
     their steps for the forecast."""
     return canonical({
         "source": index_files(cluster_name)["train"],
-        "model": config["model"],
+        "model": model_with_weights(config, cluster_name),
         "hw": device_entry(config, cluster_name),
         "cfg": {k: config["lr_finder"][k] for k in RANGE_TEST_KEYS},
         "cudnn_benchmark": config["train"]["cudnn_benchmark"],
@@ -174,7 +195,7 @@ def noise_scale_params(config: dict, cluster_name: str) -> dict:
     the LR summary, input files)."""
     return canonical({
         "source": index_files(cluster_name)["train"],
-        "model": config["model"],
+        "model": model_with_weights(config, cluster_name),
         "hw": device_entry(config, cluster_name),
         "cfg": config["noise_scale"],
         "train": training_length(config),
@@ -197,7 +218,7 @@ def forecast_params(config: dict, cluster_name: str) -> dict:
     return canonical({
         "hw": {k: v for k, v in cluster(config, cluster_name).items()
                if k not in HYDRATION_HW_KEYS + SLURM_HW_KEYS},
-        "model": config["model"],
+        "model": model_without_weights(config),
         "train": {k: train[k] for k in ("epochs", "limit_train_batches", "limit_val_batches",
                                         "compile")},
         "measurement_share": config["measurement_share"],
@@ -212,7 +233,7 @@ def train_params(config: dict, cluster_name: str) -> dict:
         "data_root": _root(config, cluster_name),
         "index": index_files(cluster_name),
         "census": census_key(cluster_name),
-        "model": config["model"],
+        "model": model_with_weights(config, cluster_name),
         "train": config["train"],
         "cluster": stage_hardware(config, cluster_name),
     })
@@ -224,10 +245,24 @@ def evaluate_params(config: dict, cluster_name: str) -> dict:
     return canonical({
         "data_root": _root(config, cluster_name),
         "index": index_files(cluster_name)["val"],
-        "model": config["model"],
+        "model": model_without_weights(config),
         "evaluate": config["evaluate"],
         "cluster": stage_hardware(config, cluster_name),
     })
+
+
+def export_params(config: dict, cluster_name: str) -> dict:
+    """export_model: `model.*` (the network and its preprocessing), `export.*` and the entry's
+    name (its plan, its training)."""
+    return canonical({"model": model_without_weights(config), "export": config["export"],
+                      "cluster": cluster_name})
+
+
+def predict_params(config: dict, name: str) -> dict:
+    """predict: the set's path, and how many classes per image in how large batches."""
+    p = config["predict"]
+    return canonical({"path": p["sets"][name], "top_k": p["top_k"],
+                      "batch_size": p["batch_size"]})
 
 
 def validate_lr_run_params(config: dict, cluster_name: str, multiple) -> dict:
@@ -272,7 +307,7 @@ def batch_lr_params(config: dict, cluster_name: str, multiple) -> dict:
             if k not in ("accumulate", "scaling", "spread_limit", "on_spread")]
     return canonical({
         "source": index_files(cluster_name)["train"],
-        "model": config["model"],
+        "model": model_with_weights(config, cluster_name),
         "hw": device_entry(config, cluster_name),
         "lr_cfg": {**{k: config["lr_finder"][k] for k in keys},
                    "seed": config["batch_curve"]["seed"]},

@@ -19,6 +19,7 @@ rule batch_lr_find:
             "lr_summary",
             *READS_IMAGES,
             "one_device",
+            *STARTS_FROM_WEIGHTS,
             "devices",
             "lr_grid",
             "budget",

@@ -33,6 +33,8 @@ def data_input(wildcards):
 # What every stage that reads the data set's images runs: a rule lists these and the modules of
 # its own (tests/test_structure.py derives each rule's list from its stage's imports)
 READS_IMAGES = ("data", "images", "index", "census", "recipes", "artifacts", "hardware")
+# What every stage that starts the model from `model.init_from` runs to load the weights
+STARTS_FROM_WEIGHTS = ("weights", "model_folder")
 # What every job that runs `imgclf train` runs: training, an LR validation run, a batch-curve run
 TRAINS = (
     "train",
@@ -43,6 +45,7 @@ TRAINS = (
     "gradient_noise",
     "batch_grid",
     "budget",
+    *STARTS_FROM_WEIGHTS,
 )
 
 
@@ -95,6 +98,11 @@ def all_targets(cluster):
         f"results/noise/{cluster}.json",
         f"results/forecast/{cluster}.json",
         f"results/eval/{cluster}.json",
+        f"results/export/{cluster}",
+        *(
+            f"results/predict/{cluster}/{name}.csv"
+            for name in config["predict"]["sets"]
+        ),
         *(f"results/report/{cluster}/{table}.html" for table in report_tables.TABLES),
     ]
 

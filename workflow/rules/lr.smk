@@ -5,7 +5,9 @@ rule lr_find:
     input:
         memory="results/memory/{cluster}.json",
         index=train_index,
-        code=code("lr_find", *READS_IMAGES, "one_device", "devices"),
+        code=code(
+            "lr_find", *READS_IMAGES, "one_device", "devices", *STARTS_FROM_WEIGHTS
+        ),
     output:
         "results/lr/{cluster}/run{run}.json",
     log:

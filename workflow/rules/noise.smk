@@ -17,6 +17,7 @@ rule noise_scale:
             "one_device",
             "devices",
             "plots",
+            *STARTS_FROM_WEIGHTS,
         ),
     output:
         json="results/noise/{cluster}.json",

@@ -72,7 +72,7 @@ def out_of_memory(error: BaseException) -> str | None:
 
 
 def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
-              precision: str, channels_last: bool, steps: int):
+              precision: str, channels_last: bool, steps: int, init_from=None):
     """A probe: real forward + backward + optimizer steps on cuda:0 at batch b, returning the
     peak allocated and reserved bytes; an allocation failure is cleaned up and re-raised.
 
@@ -86,11 +86,14 @@ def cuda_step(arch: str, num_classes: int, recipe, resolution: int,
     would otherwise inherit."""
     import torch
 
-    from imgclf import recipes
+    from imgclf import recipes, weights
 
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda", 0)
-    model = recipes.build_model(arch, num_classes, recipe.drop_path).to(device)
+    model = recipes.build_model(arch, num_classes, recipe.drop_path)
+    if init_from:  # `model.init_from`: the probes step the weights training starts from
+        weights.load_into(model, init_from, arch)
+    model = model.to(device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=fmt)
     loss_fn = recipes.build_loss(recipe)
@@ -305,7 +308,9 @@ def measure_here(memory, model, hw, recipe, num_classes, counts, estimate_batch,
     step = device["step_factory"](model["arch"], num_classes, recipe,
                                   recipe.train_size(model["resolution"]),
                                   model["precision"], model["channels_last"],
-                                  memory["probe_steps"])
+                                  memory["probe_steps"],
+                                  **({"init_from": model["init_from"]}
+                                     if model.get("init_from") else {}))
     smallest = counts["smallest_batch"]
     try:
         step(smallest)

@@ -70,7 +70,9 @@ def run(params: dict, memory_path, lr_file, out_dir,
                              compile=bool(job.t["compile"]), train_digest=job.digest,
                              warmup_fraction=job.warmup_fraction,
                              fixed_warmup_steps=(job.batch_run or {}).get("warmup_steps"),
-                             decay=job.decays)
+                             decay=job.decays,
+                             # a resume's weights are its checkpoint's
+                             init_from=model_cfg.get("init_from") if fresh else None)
     datamodule = ImageData(train_set, val_set, job.recipe.name, job.plan.per_device_batch,
                            job.plan.num_workers, job.plan.prefetch_factor, pin_memory=job.gpu,
                            seed=job.t["seed"])

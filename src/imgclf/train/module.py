@@ -9,12 +9,13 @@ from functools import partial
 
 import lightning.pytorch as L
 from lightning.fabric.utilities.seed import pl_worker_init_function
+from lightning.pytorch.utilities import rank_zero_only
 import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from imgclf import data, recipes
+from imgclf import data, recipes, weights
 from imgclf.errors import UserError
 
 
@@ -84,12 +85,17 @@ class ImageClassifier(L.LightningModule):
     def __init__(self, arch: str, classes: list[str], recipe: str, lr: float,
                  warmup_epochs: float, channels_last: bool = False, compile: bool = False,
                  train_digest: str = "", warmup_fraction: float | None = None,
-                 fixed_warmup_steps: int | None = None, decay: bool = True):
+                 fixed_warmup_steps: int | None = None, decay: bool = True, init_from=None):
         super().__init__()
-        self.save_hyperparameters()
+        # `init_from` (model.init_from, a fresh start's): not a hyperparameter, so that loading
+        # a checkpoint never reads the file again
+        self.save_hyperparameters(ignore=["init_from"])
         self.recipe = recipes.get(recipe)
         n = len(classes)
         self.model = recipes.build_model(arch, n, self.recipe.drop_path)
+        if init_from:  # every rank loads; one says what
+            weights.load_into(self.model, init_from, arch, classes=classes,
+                              announce=rank_zero_only.rank == 0)
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.criterion = recipes.build_loss(self.recipe)
