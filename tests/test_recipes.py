@@ -151,7 +151,8 @@ def render(recipe: recipes.Recipe) -> dict[str, str]:
                                 f"{num(no_decay['weight_decay'])} on norm layers and biases")
 
     rows["epochs"] = str(recipe.epochs)
-    rows["warm-up epochs"] = f"{recipe.warmup_epochs}, from {num(recipe.warmup_start_factor)} x LR"
+    rows["warm-up epochs"] = (f"{recipe.warmup_epochs}, from {num(recipe.warmup_start_factor)} "
+                              f"x LR" if recipe.warmup_epochs else NONE)
 
     # loss
     loss = recipes.build_loss(recipe)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from functools import partial
@@ -18,6 +19,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from imgclf import data, recipes, weights
 from imgclf.errors import UserError
 
+log = logging.getLogger(__name__)
 
 # --- LR schedule ---------------------------------------------------------------------------------
 
@@ -46,12 +48,59 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, start_factor: f
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def frozen_steps(freeze_epochs: float, steps_per_epoch: float, total_steps: int,
+                 recipe_epochs: int, compressed: bool) -> int:
+    """Optimizer steps at the start during which the body a recipe freezes stays at LR 0: its
+    `freeze_epochs`, or in a compressed run (an LR validation run, a batch-curve run) the same
+    share of the run's steps as of the recipe's epochs; never more than half of the run, as
+    warm-up (warmup_steps)."""
+    if freeze_epochs <= 0:
+        return 0
+    wanted = (freeze_epochs / recipe_epochs * total_steps if compressed
+              else freeze_epochs * steps_per_epoch)
+    return int(min(max(round(wanted), 1), total_steps // 2))
+
+
+class FrozenBodySchedule(torch.optim.lr_scheduler.LambdaLR):
+    """The schedule (lr_factor) for every param group, except that the groups marked
+    `recipes.FROZEN_AT_FIRST` (the body a recipe freezes at first) have LR 0 and weight decay 0
+    for the first `frozen_steps` optimizer steps, then follow the same schedule with their own
+    weight decay. Their parameters stay in the optimizer and keep requiring grad: nothing that
+    DDP registers when it wraps the model changes."""
+
+    def __init__(self, optimizer, factor, frozen_steps: int):
+        self.frozen_steps = int(frozen_steps)
+        self.frozen = [bool(g.get(recipes.FROZEN_AT_FIRST)) for g in optimizer.param_groups]
+        # the weight decay the groups are built with: a resumed optimizer may hold the 0 of a
+        # frozen step, which the next step replaces with these
+        self.weight_decays = [g["weight_decay"] for g in optimizer.param_groups]
+        lambdas = [partial(_frozen_at_first, factor=factor, frozen_steps=self.frozen_steps)
+                   if frozen else factor for frozen in self.frozen]
+        super().__init__(optimizer, lambdas)
+
+    def step(self, epoch=None):
+        super().step() if epoch is None else super().step(epoch)
+        frozen_now = self.last_epoch < self.frozen_steps
+        for group, frozen, wd in zip(self.optimizer.param_groups, self.frozen,
+                                     self.weight_decays):
+            group["weight_decay"] = 0.0 if frozen and frozen_now else wd
+
+
+def _frozen_at_first(step: int, *, factor, frozen_steps: int) -> float:
+    return 0.0 if step < frozen_steps else factor(step)
+
+
 def lr_schedule(optimizer, *, total_steps: int, warmup_steps: int,
-                start_factor: float, decay: bool = True) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per optimizer step: linear warm-up, then cosine to zero or held (lr_factor)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
-        lr_factor, total_steps=total_steps, warmup_steps=warmup_steps,
-        start_factor=start_factor, decay=decay))
+                start_factor: float, decay: bool = True,
+                frozen_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per optimizer step: linear warm-up, then cosine to zero or held (lr_factor); with
+    `frozen_steps`, the param groups marked as the body frozen at first at LR 0 and no weight
+    decay for those first steps (FrozenBodySchedule)."""
+    factor = partial(lr_factor, total_steps=total_steps, warmup_steps=warmup_steps,
+                     start_factor=start_factor, decay=decay)
+    if frozen_steps > 0 and any(g.get(recipes.FROZEN_AT_FIRST) for g in optimizer.param_groups):
+        return FrozenBodySchedule(optimizer, factor, frozen_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 # --- model and data ------------------------------------------------------------------------------
@@ -159,9 +208,17 @@ class ImageClassifier(L.LightningModule):
         if warm is None:
             warm = warmup_steps(self.hparams.warmup_epochs, per_epoch, total,
                                 self.hparams.get("warmup_fraction"))
+        compressed = (self.hparams.get("warmup_fraction") is not None
+                      or self.hparams.get("fixed_warmup_steps") is not None)
+        frozen = frozen_steps(self.recipe.freeze_epochs, per_epoch, total, self.recipe.epochs,
+                              compressed)
+        if frozen and rank_zero_only.rank == 0:
+            log.info("the body (all but the head and the norm layers) stays at LR 0 for the "
+                     "first %d of %d optimizer steps (recipe %s: %g frozen epochs)", frozen,
+                     total, self.recipe.name, self.recipe.freeze_epochs)
         sched = lr_schedule(opt, total_steps=total, warmup_steps=warm,
                             start_factor=self.recipe.warmup_start_factor,
-                            decay=self.hparams.get("decay", True))
+                            decay=self.hparams.get("decay", True), frozen_steps=frozen)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint):
