@@ -116,12 +116,14 @@ def start_compile_workers() -> None:
     sidecar's forks. Slurm's requeue signal, sent to every process of the job step, would end
     the sidecar, and the next compile (validation's, a new shape's) would fail ("Attempting to
     use a closed pool") instead of the training requeueing; torch keeps the dead pool and
-    neither handles nor unblocks the signal there. On the CPU Inductor compiles in threads."""
+    neither handles nor unblocks the signal there. On the CPU Inductor compiles in threads.
+    The import is inside the block: torch before 2.5 starts the pool when the module is first
+    imported."""
     if not data.noted_signals():
         return
-    from torch._inductor.async_compile import AsyncCompile
-
     with data.noted_signals_blocked():
+        from torch._inductor.async_compile import AsyncCompile
+
         AsyncCompile.warm_pool()
 
 
