@@ -39,7 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from imgclf import lr_find, lr_summary, recipes, settings, slices
+from imgclf import recipes, settings, slices
+from imgclf.lr import find as lr_find
+from imgclf.lr import summary as lr_summary
 from imgclf.artifacts import Plan
 
 REPO = Path(__file__).resolve().parents[1]

@@ -40,7 +40,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 import lr_choice  # noqa: E402  (the range tests and one training, cached in WORK)
 
-from imgclf import lr_summary, recipes  # noqa: E402
+from imgclf import recipes  # noqa: E402
+from imgclf.lr import summary as lr_summary  # noqa: E402
 from imgclf.artifacts import Plan  # noqa: E402
 
 METHODS = ("minimum", "steepest", "valley")

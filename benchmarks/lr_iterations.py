@@ -24,7 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lr_choice import as_found, prepare, spread_text, steps_from  # noqa: E402 - same scratch workflow
 
-from imgclf import lr_find, lr_summary, slices  # noqa: E402
+from imgclf import slices  # noqa: E402
+from imgclf.lr import find as lr_find  # noqa: E402
+from imgclf.lr import summary as lr_summary  # noqa: E402
 from imgclf.artifacts import Plan  # noqa: E402
 
 

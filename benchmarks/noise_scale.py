@@ -85,7 +85,8 @@ def steps_to_target(c: dict, batch: int, target: float, max_steps: int,
     """Steps of single-process SGD at `batch` (the same gradient as the ranks' all-reduced
     one), constant LR linearly scaled from the chosen one (the model's regime below the noise
     scale), until the validation loss is at most `target`; None if not within `max_steps`."""
-    from imgclf import data, lr_scaling, noise_scale, one_device, recipes
+    from imgclf import data, noise_scale, one_device, recipes
+    from imgclf.lr import scaling as lr_scaling
 
     plan, lr = c["plan"], c["lr"]
     run = one_device.one_device_run(c["source"], c["model"], c["hw"], plan, batch, 0,

@@ -14,7 +14,9 @@ import pytest
 from PIL import Image
 
 from conftest import FAST_YAML, built_from_memory, one_sentence, planned, snakemake
-from imgclf import batch_curve, batch_grid, forecast as forecasting, noise_scale, settings
+from imgclf import forecast as forecasting, noise_scale, settings
+from imgclf.batch import curve as batch_curve
+from imgclf.batch import grid as batch_grid
 from imgclf.artifacts import Plan
 from imgclf.errors import UserError
 

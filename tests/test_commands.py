@@ -255,7 +255,8 @@ def test_real_run_as_typed(command, work, real_runs):
 
 
 def assert_batch_follows_the_plan(work: Path, entry: str, summarized: bool) -> None:
-    from imgclf import lr_scaling, settings
+    from imgclf import settings
+    from imgclf.lr import scaling as lr_scaling
 
     cluster = settings.cluster(settings.load(), entry)
     devices = int(cluster["devices_per_node"]) * int(cluster["nodes"])

@@ -203,7 +203,7 @@ def test_planning_imports_neither_torch_nor_matplotlib(tmp_path):
 def test_the_lr_summary_starts_without_torch():
     """The LR summary, on the critical path between the LR runs and the noise scale, reads
     JSON and draws a plot: it starts without importing torch (seconds of a job's start)."""
-    res = subprocess.run([sys.executable, "-c", "import sys, imgclf.lr_summary; "
+    res = subprocess.run([sys.executable, "-c", "import sys, imgclf.lr.summary; "
                           "print(sorted({'torch', 'lightning'} & set(sys.modules)))"],
                          capture_output=True, text=True, timeout=300)
     assert res.stdout.strip() == "[]", res.stdout + res.stderr

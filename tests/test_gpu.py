@@ -96,7 +96,8 @@ def one_gpu_entry() -> dict:
 
 LR_FIND = """
 import json, math, sys
-from imgclf import lr_find, settings
+from imgclf import settings
+from imgclf.lr import find as lr_find
 from imgclf.artifacts import Plan
 source, hw = sys.argv[1], json.loads(sys.argv[2])
 model = {"arch": "resnet18", "recipe": "torchvision_v2", "resolution": 64,

@@ -622,7 +622,8 @@ def test_a_job_needing_more_gpus_than_the_machine_shows_is_one_sentence(nvidia_s
 def test_each_single_device_stage_refuses_emulated_bf16_before_it_starts(demo_root):
     """The LR finder, the noise-scale measurement and evaluation of p3 in bf16-mixed stop in
     one sentence, on this machine too (their plan is p3's), before any model is built."""
-    from imgclf import evaluate, lr_find, noise_scale
+    from imgclf import evaluate, noise_scale
+    from imgclf.lr import find as lr_find
 
     p3 = slices.device_entry(settings.load(), "p3")
     model = {"arch": "resnet18", "recipe": "demo", "resolution": 16, "precision": "bf16-mixed",
@@ -668,7 +669,8 @@ def test_the_measured_solve_claims_its_gpu_and_checks_the_build_first(solve_clai
 
 def claim_then_check(stage: str, demo_root):
     """Start `stage` of p3 (one device of it: training too) until it checks the torch build."""
-    from imgclf import evaluate, loader_bench, lr_find, noise_scale
+    from imgclf import evaluate, loader_bench, noise_scale
+    from imgclf.lr import find as lr_find
     from imgclf.train import job as train_job
     from imgclf.artifacts import Plan
 

@@ -19,7 +19,10 @@ import yaml
 from PIL import Image
 
 from conftest import REPO, SMALL_MODEL, snakemake
-from imgclf import lr_find, lr_scaling, lr_summary, settings, slices
+from imgclf import settings, slices
+from imgclf.lr import find as lr_find
+from imgclf.lr import scaling as lr_scaling
+from imgclf.lr import summary as lr_summary
 from imgclf.errors import UserError
 from imgclf.artifacts import Plan
 

@@ -12,8 +12,9 @@ import pytest
 from PIL import Image
 
 from conftest import FAST_YAML, built_from_memory, one_sentence, planned
-from imgclf import (artifacts, lr_grid, lr_validation, lr_validation_edge, recipes, settings,
-                    slices)
+from imgclf import artifacts, recipes, settings, slices
+from imgclf.lr import grid as lr_grid
+from imgclf.lr import validation as lr_validation
 from imgclf.train import learning_rate as train_learning_rate
 from imgclf.errors import UserError
 from imgclf.artifacts import Plan
@@ -201,12 +202,12 @@ def test_the_search_stops_when_its_steps_are_used_up():
 def test_an_edge_step_writes_its_decision_for_the_next(tmp_path):
     paths = [write_run(tmp_path, m, loss, 0.8) for m, loss in ((0.5, 0.7), (1.0, 0.5))]
     out = tmp_path / "edge0.json"
-    d = lr_validation_edge.run(paths, out)
+    d = lr_validation.run_edge(paths, out)
     assert artifacts.edge_step(out) == 2.0 and (d["side"], d["why"]) == ("top", "edge")
     assert json.loads(out.read_text())["reason"] == ("The best, 1x, is the largest multiple so "
                                                      "far: next 2x.")
     paths.append(write_run(tmp_path, 2.0, 0.6, 0.8))
-    assert lr_validation_edge.run(paths, out)["why"] == "bracketed"
+    assert lr_validation.run_edge(paths, out)["why"] == "bracketed"
     assert artifacts.edge_step(out) is None
     out.write_text("{}")
     with pytest.raises(UserError, match="is not an LR validation edge step: delete it"):

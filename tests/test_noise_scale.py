@@ -70,7 +70,7 @@ def test_pure_noise_gives_no_noise_scale_or_a_huge_one_and_says_what_to_raise():
 
 def test_the_paper_model_gives_the_figures_the_batch_curve_words():
     """Steps at another batch over those at the plan's, by S = S_min (1 + B/B'): what the
-    measured curve's options (imgclf.batch_curve) and the noise plot's model line use."""
+    measured curve's options (imgclf.batch.curve) and the noise plot's model line use."""
     assert gradient_noise.time_ratio(1000, 2000, 1000) == pytest.approx(1.5 / 2)
     twice = gradient_noise.option(1024, 8, 16, 3400)
     assert (twice["global_batch"], twice["time"], twice["cost"]) == (2048, 0.616, 1.231)

@@ -30,6 +30,8 @@ NEUTRAL = {
     "slurm": "how jobs are submitted and ranks started, locally or under Slurm: the same "
              "training either way",
     "cli": "the command line's parsing and dispatch (the shell rules' entry point)",
+    "lr": "the LR package's docstring: each of its modules is a unit of its own",
+    "batch": "the batch curve package's docstring: each of its modules is a unit of its own",
 }
 # ... and per rule: a training's curves are redrawn from its metrics.csv, never retrained for
 NEUTRAL_FOR = {"train_model": {"plots"}, "validate_lr_run": {"plots"}, "batch_run": {"plots"}}
@@ -75,9 +77,16 @@ def import_graph() -> dict[str, set[str]]:
     return {name: imports(path, name, known) for name, path in known.items()}
 
 
+# Packages whose modules are rerun units each (a rule's code() names `lr.find`), so that an edit of
+# one reruns only the rules that run it; every other package is one unit (`memory`).
+MODULE_UNITS = ("lr", "batch")
+
+
 def unit(module: str) -> str:
-    """What a rule's code() names: the module under imgclf, or its sub-package."""
-    return module.split(".")[1]
+    """What a rule's code() names: the module's dotted name under imgclf (a package of
+    MODULE_UNITS: its module), or its sub-package."""
+    parts = module.split(".")[1:]
+    return ".".join(parts[:2]) if parts[0] in MODULE_UNITS and len(parts) > 1 else parts[0]
 
 
 def closure(graph: dict, start: set[str], through=lambda module: True) -> set[str]:
@@ -110,13 +119,23 @@ def rule_entries() -> dict[str, set[str]]:
             if script:
                 path = (smk.parent / script.group(1)).resolve()
                 tree = ast.parse(path.read_text())
-                entries[rule] = {f"imgclf.{a.name}" for node in ast.walk(tree)
-                                 if isinstance(node, ast.ImportFrom) and node.module == "imgclf"
-                                 for a in node.names} - {"imgclf.stage"}
+                known = modules()
+                entries[rule] = {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                    for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and (node.module or "").split(".")[0] == "imgclf"
+                    for a in node.names} - {"imgclf.stage"}
             command = re.search(r"\{params\.imgclf(?::q)?\} (\w+)", body)
             if command:
                 entries[rule] = {f"imgclf.{SUBCOMMANDS[command.group(1)]}"}
     return entries
+
+
+def listed_unit(path: str) -> str:
+    """The unit of a file a rule's code() lists (`lr/find`: `lr.find`, `memory/solve`:
+    `memory`)."""
+    parts = path.split("/")
+    return ".".join(parts[:2]) if parts[0] in MODULE_UNITS and len(parts) > 1 else parts[0]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +154,7 @@ def listed_code(tmp_path_factory) -> dict[str, set[str]]:
             rule = m.group(1)
         elif rule and line.strip().startswith("input:"):
             files = re.findall(r"src/imgclf/([\w/]+)\.py", line)
-            listed.setdefault(rule, set()).update(f.split("/")[0] for f in files)
+            listed.setdefault(rule, set()).update(listed_unit(f) for f in files)
     return listed
 
 

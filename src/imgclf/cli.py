@@ -175,7 +175,7 @@ def _upstream(path: str, target: str) -> str:
 
 
 def cmd_lr_find(args):
-    from imgclf import lr_find
+    from imgclf.lr import find as lr_find
 
     config = _config(args)
     name = config["cluster"]
@@ -193,7 +193,7 @@ def cmd_lr_find(args):
 def cmd_lr_summary(args):
     import glob
 
-    from imgclf import lr_summary
+    from imgclf.lr import summary as lr_summary
 
     config = _config(args)
     name = config["cluster"]

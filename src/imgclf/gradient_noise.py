@@ -33,7 +33,7 @@ BOOTSTRAP_RESAMPLES = 1000
 def time_ratio(batch: float, new_batch: float, b_noise: float) -> float:
     """Steps (time, at a fixed per-device batch) to the same loss at `new_batch` over those
     at `batch`: (1 + B_noise/B') / (1 + B_noise/B). `b_noise`: the critical batch, measured
-    (imgclf.batch_curve) or taken as B_simple."""
+    (imgclf.batch.curve) or taken as B_simple."""
     return (1 + b_noise / new_batch) / (1 + b_noise / batch)
 
 

@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 
-from imgclf import budget, lr_scaling, one_device, plots, recipes
+from imgclf import budget, one_device, plots, recipes
+from imgclf.lr import scaling as lr_scaling
 from imgclf.artifacts import LRSummary, Plan
 from imgclf.gradient_noise import estimate, time_ratio, unbiased
 from imgclf.progress import progress
@@ -40,7 +41,7 @@ def advice(global_batch: int, b_noise: float | None, stderr: float | None,
            cluster: str) -> dict:
     """The planned global batch against the noise scale, stated as what it is: an unvalidated
     estimate of the batch that pays (LIMITS), with the command that measures that batch
-    (imgclf.batch_curve). No time or cost: against the measured curve it was off either way
+    (imgclf.batch.curve). No time or cost: against the measured curve it was off either way
     (docs/benchmarks.md, "The batch that pays")."""
     measure = f"measure the batch that pays with `snakemake results/batch/{cluster}.json`"
     if b_noise is None or b_noise <= 0:

@@ -11,27 +11,30 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from imgclf import artifacts, index, lr_grid, weights
+from imgclf import artifacts, index, weights
+from imgclf.lr import grid as lr_grid
 from imgclf.settings import cluster, data_root
 
 
 def module_files(module: str, workflow_dir: str | os.PathLike | None = None) -> list[str]:
-    """Files of a package module (`name.py`, or every .py of the sub-package `name/`), so that
-    rules can depend on the code they run.
+    """Files of a package module by its dotted name under imgclf (`forecast`, `lr.find`: one
+    file), or every .py of a sub-package that is one unit (`memory`), so that rules can depend on
+    the code they run, each module of a package such as `lr` on its own.
 
     Taken from `workflow_dir`/src/imgclf when the workflow carries the package source (the
     repository: the editable install points at the same files), else from the installed
     package. Relative to the working directory when inside it, so moving or copying a run
     folder does not change the rules' inputs and rerun everything."""
     base = Path(__file__).resolve().parent
+    name = Path(*module.split("."))
     if workflow_dir is not None:
         local = Path(workflow_dir).resolve() / "src" / "imgclf"
-        if (local / f"{module}.py").is_file() or (local / module).is_dir():
+        if (local / f"{name}.py").is_file() or (local / name).is_dir():
             base = local
-    if (base / module).is_dir():
-        paths = sorted((base / module).glob("*.py"))
+    if (base / name).is_dir():
+        paths = sorted((base / name).glob("*.py"))
     else:
-        paths = [base / f"{module}.py"]
+        paths = [base / f"{name}.py"]
     cwd = Path.cwd().resolve()
     return [str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p) for p in paths]
 
@@ -294,7 +297,7 @@ def lr_validation_steps_params(config: dict, cluster_name: str) -> dict:
     return canonical({"extend_steps": config["validate_lr"]["extend_steps"]})
 
 
-# --- the batch curve (imgclf.batch_curve) ---------------------------------------------------------
+# --- the batch curve (imgclf.batch.curve) ---------------------------------------------------------
 
 BATCH_RUN_KEYS = ("fraction", "min_steps", "evaluations")
 

@@ -3,7 +3,9 @@ import json
 import sys
 from pathlib import Path
 
-from imgclf import artifacts, lr_grid, lr_validation, provenance, report_tables
+from imgclf import artifacts, provenance, report_tables
+from imgclf.lr import grid as lr_grid
+from imgclf.lr import validation as lr_validation
 
 # the CLI of the environment Snakemake runs in (it need not be on PATH)
 IMGCLF = str(Path(sys.executable).parent / "imgclf")
@@ -40,10 +42,10 @@ TRAINS = (
     "train",
     *READS_IMAGES,
     "devices",
-    "lr_grid",
-    "lr_scaling",
+    "lr.grid",
+    "lr.scaling",
     "gradient_noise",
-    "batch_grid",
+    "batch.grid",
     "budget",
     *STARTS_FROM_WEIGHTS,
 )

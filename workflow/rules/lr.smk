@@ -6,7 +6,7 @@ rule lr_find:
         memory="results/memory/{cluster}.json",
         index=train_index,
         code=code(
-            "lr_find", *READS_IMAGES, "one_device", "devices", *STARTS_FROM_WEIGHTS
+            "lr.find", *READS_IMAGES, "one_device", "devices", *STARTS_FROM_WEIGHTS
         ),
     output:
         "results/lr/{cluster}/run{run}.json",
@@ -28,7 +28,7 @@ rule summarize_lr:
     input:
         runs=lambda wc: lr_runs(wc.cluster),
         memory="results/memory/{cluster}.json",
-        code=code("lr_summary", "lr_scaling", "recipes", "artifacts", "plots"),
+        code=code("lr.summary", "lr.scaling", "recipes", "artifacts", "plots"),
     output:
         summary="results/lr/{cluster}_summary.json",
         plot=report(

@@ -13,7 +13,7 @@ rule noise_scale:
             "budget",
             *READS_IMAGES,
             "gradient_noise",
-            "lr_scaling",
+            "lr.scaling",
             "one_device",
             "devices",
             "plots",

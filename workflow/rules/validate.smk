@@ -54,9 +54,7 @@ checkpoint validate_lr_edge:
     that redoes no step and no run."""
     input:
         runs=lambda wc: lr_validation_runs(wc.cluster, int(wc.step)),
-        code=code(
-            "lr_validation_edge", "lr_validation", "lr_grid", "artifacts", "plots"
-        ),
+        code=code("lr.validation", "lr.grid", "artifacts", "plots"),
     output:
         "results/lr/{cluster}/validate/edge{step}.json",
     log:
@@ -92,7 +90,7 @@ rule summarize_lr_validation:
         runs=lambda wc: lr_validation_runs(wc.cluster),
         steps="results/lr/{cluster}/validate/extend_steps.json",
         lr="results/lr/{cluster}_summary.json",
-        code=code("lr_validation", "lr_grid", "artifacts", "plots"),
+        code=code("lr.validation", "lr.grid", "artifacts", "plots"),
     output:
         json="results/lr/{cluster}_validation.json",
         plot=report(

@@ -1,5 +1,6 @@
-from imgclf import lr_validation_edge, stage
+from imgclf import stage
+from imgclf.lr import validation
 
-stage.run(lambda: lr_validation_edge.run(
+stage.run(lambda: validation.run_edge(
     snakemake.input.runs, out=snakemake.output[0],
 ), snakemake.log[0])

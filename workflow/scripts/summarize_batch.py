@@ -1,4 +1,5 @@
-from imgclf import batch_curve, stage
+from imgclf import stage
+from imgclf.batch import curve as batch_curve
 
 stage.run(lambda: batch_curve.run(
     snakemake.input.runs, snakemake.input.metrics, snakemake.input.lrs,

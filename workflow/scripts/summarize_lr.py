@@ -1,4 +1,5 @@
-from imgclf import lr_summary, stage
+from imgclf import stage
+from imgclf.lr import summary as lr_summary
 
 stage.run(lambda: lr_summary.run(
     snakemake.input.runs, snakemake.input.memory, **snakemake.params.p,

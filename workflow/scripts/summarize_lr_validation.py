@@ -1,4 +1,5 @@
-from imgclf import lr_validation, stage
+from imgclf import stage
+from imgclf.lr import validation as lr_validation
 
 stage.run(lambda: lr_validation.run(
     snakemake.input.runs, snakemake.input.lr, **snakemake.params.p,

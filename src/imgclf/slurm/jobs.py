@@ -259,7 +259,9 @@ def short_run_seconds(params: dict, run_paths, loader_path, memory_path, train_i
     run, `params` as its rule hands them to training): its micro-batches per rank and its
     validation passes (lr_grid.run_batches, batch_grid.run_batches) at the pace the forecast
     gives training (forecast.pace). What its time request is sized from."""
-    from imgclf import batch_grid, budget, forecast, index, lr_grid, recipes
+    from imgclf import budget, forecast, index, recipes
+    from imgclf.batch import grid as batch_grid
+    from imgclf.lr import grid as lr_grid
     from imgclf.artifacts import Plan, loader_report, lr_runs
 
     hw, t = params["cluster"], params["train"]

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-from imgclf import batch_grid, devices, index, lr_grid, recipes, settings
+from imgclf import devices, index, recipes, settings
+from imgclf.batch import grid as batch_grid
+from imgclf.lr import grid as lr_grid
 from imgclf.artifacts import Plan
 from imgclf.errors import UserError
 from imgclf.train.learning_rate import resolve_lr

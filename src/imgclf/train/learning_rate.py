@@ -7,7 +7,7 @@ from __future__ import annotations
 from imgclf import artifacts, recipes
 from imgclf.artifacts import LRSummary, Plan
 from imgclf.errors import UserError
-from imgclf.lr_scaling import recipe_lr
+from imgclf.lr.scaling import recipe_lr
 
 
 def resolve_lr(source: str, lr_file, recipe: recipes.Recipe, plan: Plan) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from imgclf import artifacts
-from imgclf.batch_grid import shape
+from imgclf.batch.grid import shape
 from imgclf.errors import UserError
 from imgclf.provenance import write_artifact
 
@@ -19,8 +19,8 @@ def run(source, model, hw, memory_path, lr_cfg: dict, multiple: float, out,
     """results/batch/{cluster}/x{k}/lr.json: one range test at `multiple` x the plan's global
     batch on one device (accumulation makes up the batch), read as the LR summary reads its
     runs: the `lr_finder.suggestion` times `lr_finder.multiple`."""
-    from imgclf import lr_find
-    from imgclf.lr_summary import read_curve
+    from imgclf.lr import find as lr_find
+    from imgclf.lr.summary import read_curve
 
     plan = artifacts.Plan.read(memory_path, hw["name"])
     s = shape(plan, multiple)

@@ -13,7 +13,7 @@ through `imgclf train` at the LR it suggests (the summary's rule and `lr_finder.
 warm-up then constant, validated every few steps. The plan's own batch trains for a short
 budget (`batch_curve.fraction` of the planned training's steps, at least `min_steps`); its final
 validation loss, the median over the last quarter of its budget, is the target; the other batches train until they reach it or have seen `cap`
-times its images. imgclf.batch_grid shapes the runs, imgclf.batch_lr runs the range tests; this
+times its images. imgclf.batch.grid shapes the runs, imgclf.batch.range_test runs the range tests; this
 module reads them: steps and images to the target,
 the fit S = S_min (1 + B_crit / B) with its interval, the largest batch that still cuts the
 steps by `min_cut` per doubling, and what that says of more or fewer devices."""
@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from imgclf import artifacts
-from imgclf.batch_grid import target_of, validations
+from imgclf.batch.grid import target_of, validations
 from imgclf.errors import UserError
 from imgclf.gradient_noise import nearest_devices, option
 from imgclf.provenance import read_json, write_artifact

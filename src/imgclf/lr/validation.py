@@ -11,8 +11,8 @@ grid's best. A best at the grid's edge is followed outward, one multiple at a ti
 spacing there, until it is bracketed or `validate_lr.extend_steps` multiples have been added.
 
 Each multiple is its own training job (results/lr/{cluster}/validate/x{multiple}/), so a
-cluster runs them side by side; each is shaped by imgclf.lr_grid. This module ranks them,
-decides the edge steps (imgclf.lr_validation_edge writes each) and writes the aggregate."""
+cluster runs them side by side; each is shaped by imgclf.lr.grid. This module ranks them,
+decides the edge steps (run_edge writes each) and writes the aggregate."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import logging
 import math
 
 from imgclf import artifacts
-from imgclf.lr_grid import grid, multiple_name
+from imgclf.lr.grid import grid, multiple_name
 from imgclf.errors import UserError
 from imgclf.provenance import write_artifact
 
@@ -236,3 +236,13 @@ def run(run_paths, summary_path, multiples, tolerance: float, out, plot) -> dict
     return write_artifact(out, result, config_slice={"multiples": grid(multiples),
                                                      "tolerance": tolerance},
                           inputs=[*run_paths, summary_path])
+
+
+def run_edge(run_paths, out) -> dict:
+    """One edge step (results/lr/{cluster}/validate/edge{step}.json): the next multiple for the
+    runs so far, or none, and why."""
+    runs = [artifacts.validation_run(p) for p in run_paths]
+    decision = next_multiple(runs)
+    decision["reason"] = describe(decision, runs)
+    log.info("%s", decision["reason"])
+    return write_artifact(out, decision, inputs=list(run_paths))

@@ -1,7 +1,7 @@
 """The LR validation's grid and the shape of each of its runs: which multiples of the LR summary's
 training LR are trained (1, the chosen LR, always among them), for how long (`validate_lr`'s
 budget), with the recipe's warm-up kept in proportion, at which LR. What the rules' params, the
-training of a run and the aggregate share (imgclf.lr_validation ranks the runs)."""
+training of a run and the aggregate share (imgclf.lr.validation ranks the runs)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 it diverged, and the times of its steps (for the forecast).
 
 Each run is one Snakemake job with its own seed (initialisation and data order); the summary
-reads their curves (imgclf.lr_summary)."""
+reads their curves (imgclf.lr.summary)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 space of the runs' suggestions with their spread, times a multiple calibrated on full trainings
 (`lr_finder.multiple`), the runs that produced no usable suggestion excluded and said, and the
 LR scaled from the finder's batch to the global training batch by a stated rule
-(imgclf.lr_scaling)."""
+(imgclf.lr.scaling)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from imgclf import artifacts, plots, recipes
 from imgclf.artifacts import Plan
 from imgclf.errors import UserError
-from imgclf.lr_scaling import scale_lr, scaling_rule
+from imgclf.lr.scaling import scale_lr, scaling_rule
 from imgclf.provenance import write_artifact
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
-"""The batch curve's runs (imgclf.batch_curve): which global batches, each one's per-device batch
+"""The batch curve's runs (imgclf.batch.curve): which global batches, each one's per-device batch
 and accumulation on the plan's devices, how long it trains and how often it validates, its LR
-(its own range test's, imgclf.batch_lr) and its target. What the rules' params, a run's training
+(its own range test's, imgclf.batch.range_test) and its target. What the rules' params, a run's training
 (train/job.py) and the aggregate share."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from imgclf import artifacts, budget, lr_grid
+from imgclf import artifacts, budget
+from imgclf.lr import grid as lr_grid
 from imgclf.errors import UserError
 
 
