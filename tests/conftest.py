@@ -94,6 +94,28 @@ def snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | None 
                        env={**os.environ, **(env or {})})
 
 
+def training_until_checkpoint(workdir: Path, *args: str, within_s: float = 300):
+    """Snakemake started in the background on `args` (a training target), returned once the
+    training wrote its first last.ckpt (results/train/local/checkpoints/), with that path: what
+    a test that interrupts a training mid-run needs. It fails the test when Snakemake ends
+    before, or no checkpoint comes within `within_s`."""
+    import time
+
+    last = workdir / "results/train/local/checkpoints/last.ckpt"
+    proc = subprocess.Popen([SNAKEMAKE, "--cores", "2", *args], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + within_s
+    while not last.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"Snakemake ended before training wrote a checkpoint:\n"
+                        f"{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no checkpoint within {within_s:.0f} s")
+        time.sleep(0.1)
+    return proc, last
+
+
 def built_once(tmp_path_factory, name: str, build) -> Path:
     """The folder `build(folder)` fills, built once per test run however many pytest-xdist
     workers ask for it, then copied into the asking worker's own temporary folder (its tests may
@@ -158,13 +180,14 @@ loader:
 @pytest.fixture(scope="session")
 def through_memory(tmp_path_factory, demo_root) -> Path:
     """A workflow copy in which `snakemake results/memory/local.json` ran for real on the demo
-    data (hydration check, loader benchmark with a short time budget, memory solve), with
-    FAST_YAML (fast.yaml)."""
+    data (hydration check, loader benchmark with a short time budget, memory solve), and the
+    loader's and the memory solve's figures, with FAST_YAML (fast.yaml)."""
     def build(work: Path):
         copy_workflow(work)
         shutil.copytree(demo_root, work / "results" / "demo" / "digits")
         (work / "fast.yaml").write_text(FAST_YAML)
-        res = snakemake(work, "results/memory/local.json", "--configfile", "fast.yaml")
+        res = snakemake(work, "results/memory/local.json", "results/loader/local.png",
+                        "results/memory/local.png", "--configfile", "fast.yaml")
         assert res.returncode == 0, res.stdout + res.stderr
         (work / "snakemake_output.txt").write_text(res.stdout + res.stderr)
 
@@ -219,13 +242,13 @@ def demo_run_copy(tmp_path, demo_run) -> Path:
 
 
 def built_from_memory(tmp_path_factory, through_memory: Path, name: str, base_yaml: str,
-                      target: str) -> Path:
-    """A clone of the memory solve's workflow (through_memory) in which `target` was built with
-    `base_yaml` as base.yaml."""
+                      target: str, *more: str) -> Path:
+    """A clone of the memory solve's workflow (through_memory) in which `target` (and `more`)
+    was built with `base_yaml` as base.yaml."""
     work = tmp_path_factory.mktemp(name) / "wf"
     shutil.copytree(through_memory, work, symlinks=True)
     (work / "base.yaml").write_text(base_yaml)
-    res = snakemake(work, target, "--configfile", "base.yaml")
+    res = snakemake(work, target, *more, "--configfile", "base.yaml")
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     return work
 

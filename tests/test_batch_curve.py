@@ -17,7 +17,7 @@ from conftest import FAST_YAML, built_from_memory, one_sentence, planned, snakem
 from imgclf import forecast as forecasting, noise_scale, settings
 from imgclf.batch import curve as batch_curve
 from imgclf.batch import grid as batch_grid
-from imgclf.artifacts import Plan
+from imgclf.artifacts import Plan, RunShape
 from imgclf.errors import UserError
 
 
@@ -92,17 +92,24 @@ def test_a_run_steps_on_whole_accumulation_groups_and_validates_on_its_steps(tmp
         batch_grid.target_of(tmp_path / "train_summary.json")
     assert "diverged" in str(e.value) and one_sentence(str(e.value))
     assert r["warmup_steps"] == 4  # 2 of the recipe's 12 epochs, of 50 x 128 images, at 256
+    # what the run's shape hands training, and the Trainer it makes of it
+    run = RunShape(what="a run", per_device_batch=64, accumulate_grad_batches=2,
+                   epochs=r["epochs"], max_steps=r["max_steps"],
+                   limit_train_batches=r["train_batches_per_epoch"], val_every_steps=3,
+                   warmup_steps=r["warmup_steps"], warmup_fraction=None, lr={}, decay=False,
+                   average_weights=False, stop_below_val_loss=r["target"], seconds=None,
+                   record=r)
     job = train_job.Job(params={"cluster": {"name": "local", "accelerator": "cpu",
                                             "devices_per_node": 2, "nodes": 1},
                                 "model": {"precision": "32"}},
-                        t=settings.section({}, "train"), plan=p, recipe=recipes.get("demo"),
-                        lr={}, epochs=r["epochs"], out_dir=Path("out"), digest="", resume={},
-                        max_steps=r["max_steps"], batch_run={**r, "eval_every": 3})
-    job = dataclasses.replace(job, plan=dataclasses.replace(p, accumulate_grad_batches=2))
+                        t=settings.section({}, "train"),
+                        plan=dataclasses.replace(p, accumulate_grad_batches=2),
+                        recipe=recipes.get("demo"), lr={}, epochs=r["epochs"],
+                        out_dir=Path("out"), digest="", resume={}, run=run)
     o = train_trainer.trainer_options(job)
     assert (o["limit_train_batches"], o["val_check_interval"], o["check_val_every_n_epoch"]) \
         == (10, 6, None)
-    assert not job.decays
+    assert not job.decays and o["max_steps"] == r["max_steps"]
 
 
 # --- the fit ----------------------------------------------------------------------------------
@@ -192,12 +199,14 @@ batch_curve: {multiples: [0.5, 1, 2], min_steps: 6, evaluations: 3, cap: 4}
 train: {log_every_n_steps: 1}
 """
 TARGET = "results/batch/local.json"
+FIGURE = "results/batch/local.png"  # drawn from TARGET by a rule of its own
 RUNS = "results/batch/local"
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, through_memory):
-    return built_from_memory(tmp_path_factory, through_memory, "batch_curve", BASE_YAML, TARGET)
+    return built_from_memory(tmp_path_factory, through_memory, "batch_curve", BASE_YAML, TARGET,
+                             FIGURE)
 
 
 def read(work, path):
@@ -219,19 +228,19 @@ def test_each_batch_trains_at_the_lr_its_own_range_test_found(measured):
         assert s["lr"]["value"] == lr["lr"] and s["lr"]["source"] == "batch_curve"
         assert s["schedule"]["kind"] == "linear warm-up, then held constant, per optimizer step"
         frame = pd.read_csv(measured / f"{RUNS}/x{name}/metrics.csv").dropna(subset=["train/lr"])
-        warm = s["batch_curve"]["warmup_steps"]
+        warm = s["run"]["warmup_steps"]
         held = frame[frame["step"] >= warm]["train/lr"]  # `step`: the steps done before it
         assert len(held) and held.tolist() == pytest.approx([lr["lr"]] * len(held))
         # whole accumulation groups: no step of an epoch's last, partial group (a smaller batch)
         per_epoch = frame.groupby("epoch").size().tolist()[:-1]  # the last epoch may stop early
-        whole = s["batch_curve"]["train_batches_per_epoch"] // accumulate
+        whole = s["run"]["limit_train_batches"] // accumulate
         assert set(per_epoch) <= {whole}, (name, per_epoch, whole)
 
 
 def test_the_curve_counts_steps_to_the_plan_batchs_loss(measured):
     c = read(measured, TARGET)
     own = read(measured, f"{RUNS}/x1/train_summary.json")
-    assert own["global_step"] == 6 and own["batch_curve"]["target"] is None
+    assert own["global_step"] == 6 and own["run"]["stop_below_val_loss"] is None
     losses = [p[1] for p in batch_grid.validations(measured / f"{RUNS}/x1/metrics.csv")]
     assert [p[0] for p in batch_grid.validations(measured / f"{RUNS}/x1/metrics.csv")] \
         == [2, 4, 6]
@@ -243,7 +252,7 @@ def test_the_curve_counts_steps_to_the_plan_batchs_loss(measured):
         assert r["steps"] == first and r["images"] == (first and first * r["global_batch"])
         s = read(measured, f"{RUNS}/x{name}/train_summary.json")
         if r["multiple"] != 1.0:  # another batch stops at the target, or at its cap
-            assert s["batch_curve"]["target"] == pytest.approx(c["target_val_loss"])
+            assert s["run"]["stop_below_val_loss"] == pytest.approx(c["target_val_loss"])
             assert s["global_step"] == (first or r["max_steps"])
     reached = [r for r in c["runs"] if r["steps"]]
     assert c["fit"]["points"] == len(reached) >= 2
@@ -252,7 +261,7 @@ def test_the_curve_counts_steps_to_the_plan_batchs_loss(measured):
     assert c["b_simple"] == read(measured, "results/noise/local.json")["b_simple"]
     assert set(c["provenance"]["inputs"]) >= {f"{RUNS}/x1/train_summary.json",
                                               "results/noise/local.json"}
-    with Image.open(measured / "results/batch/local.png") as img:
+    with Image.open(measured / FIGURE) as img:
         assert img.format == "PNG" and img.size[0] > 400
 
 
@@ -277,13 +286,16 @@ def test_with_the_switch_the_forecast_and_all_take_the_measured_curve(measured):
     assert "summarize_batch" not in off.stdout and "summarize_batch" in on.stdout
 
 
-OTHERS = {"batch_run[0.5]", "batch_run[2]", "summarize_batch"}
+# a run's shape (run.json) is what its experiment decides: an edit of the curve's budget reaches
+# its runs through their shapes
+OTHERS = {"batch_run_shape[0.5]", "batch_run[0.5]", "batch_run_shape[2]", "batch_run[2]",
+          "summarize_batch"}
 CASES = {
     "no-op": (None, set()),
     "the cut that pays: the aggregate only": ("batch_curve: {min_cut: 0.3}", {"summarize_batch"}),
     "the cap: not the plan batch's run, which sets the target": ("batch_curve: {cap: 5}", OTHERS),
     "the budget: every run, no range test": (
-        "batch_curve: {min_steps: 7}", {"batch_run[1]"} | OTHERS),
+        "batch_curve: {min_steps: 7}", {"batch_run_shape[1]", "batch_run[1]"} | OTHERS),
 }
 
 

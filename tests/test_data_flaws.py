@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import time
 import unicodedata
 import warnings
 from pathlib import Path
@@ -20,8 +18,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import (SMALL_MODEL, SNAKEMAKE, copy_workflow, one_sentence, resume_line,
-                      resume_point, snakemake)
+from conftest import (SMALL_MODEL, copy_workflow, one_sentence, resume_line, resume_point,
+                      snakemake, training_until_checkpoint)
 from imgclf import data, hydration, index, recipes, settings
 from imgclf.hydration import integrity
 
@@ -135,14 +133,7 @@ def test_file_broken_after_the_check_stops_training_then_resumes(demo_run_copy):
     (work / "c.yaml").write_text(
         "train: {epochs: 3, lr_source: recipe, limit_val_batches: 2}\n")
     target = ["results/train/local/best.ckpt", "--configfile", "c.yaml"]
-    last = work / "results/train/local/checkpoints/last.ckpt"
-    first = subprocess.Popen([SNAKEMAKE, "--cores", "2", *target], cwd=work,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while not last.exists():
-        assert first.poll() is None, first.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.1)
+    first, last = training_until_checkpoint(work, *target)
     victim = last_of(work / "results/demo/digits/train/6")
     named = str(victim.relative_to(work))  # the demo's index holds relative paths
     data = victim.read_bytes()
@@ -252,7 +243,7 @@ def run_check(root: Path, out: Path, **overrides) -> dict:
     out.mkdir()
     return hydration.run(
         root, check_params(**overrides), 0.0, "local", out / "c.json", out / "c.verdict.json",
-        out / "c.png", out / "c.excluded.txt", {s: out / f"c.{s}.tsv" for s in ("train", "val")})
+        out / "c.excluded.txt", {s: out / f"c.{s}.tsv" for s in ("train", "val")})
 
 
 def indexed(path: Path) -> list[str]:

@@ -13,7 +13,6 @@ import pytest
 from imgclf import budget, forecast, hardware, report_tables
 from imgclf.errors import UserError
 from imgclf.artifacts import Plan
-from imgclf.slurm import jobs as slurm_jobs
 from imgclf.train import summary as after
 
 G5 = {"name": "g5", "gpus_per_node": 4, "gpu_model": "A10G", "gpu_memory_gb": 24, "nodes": 1,
@@ -259,23 +258,7 @@ def indexes(folder) -> tuple[str, str]:
     return str(folder / "train.tsv"), str(folder / "val.tsv")
 
 
-def short_run_inputs(folder, world_plan: Plan) -> tuple:
-    """The LR runs, loader benchmark, memory solve and indexes a short run's time is paced from:
-    0.1 s of compute per micro-batch of 64 and 0.04 s per forward pass, a loader far faster."""
-    run = {**lr_run(), "history": [], "effective_batch": 64}
-    (folder / "run0.json").write_text(json.dumps(run))
-    (folder / "loader.json").write_text(json.dumps({"cluster": "g5",
-                                                    "choice": {"images_per_s": 1e9}}))
-    p = world_plan
-    (folder / "memory.json").write_text(json.dumps({
-        "cluster": "g5", "per_device_batch": p.per_device_batch, "decoder": "pil",
-        "accumulate_grad_batches": p.accumulate_grad_batches, "devices_per_node": 4,
-        "nodes": 1, "num_workers": p.num_workers, "prefetch_factor": 2}))
-    return [str(folder / "run0.json")], str(folder / "loader.json"), \
-        str(folder / "memory.json"), *indexes(folder)
-
-
-def test_a_short_runs_time_is_its_budget_at_the_lr_runs_pace(tmp_path):
+def test_a_short_runs_time_is_its_budget_at_the_lr_runs_pace():
     """What an LR validation run or a batch-curve run asks Slurm for is sized from its own
     budget, paced as the forecast paces training: g5's 4 x 64, 5 batches per epoch of 1,280
     images, 0.1 s per micro-batch over the assumed scaling efficiency 0.85, one validation
@@ -283,17 +266,23 @@ def test_a_short_runs_time_is_its_budget_at_the_lr_runs_pace(tmp_path):
     40 steps, twice that. A batch-curve run at 2x the batch (accumulation 2), of 10 steps (its
     `min_steps`, over the plan batch's 5) capped at 2x those images, validated every step: 20
     micro-batches and 11 passes."""
-    inputs = short_run_inputs(tmp_path, plan(4))
-    params = {"cluster": G5, "model": MODEL, "train": TRAIN}
+    from imgclf.batch import grid as batch_grid
+    from imgclf.lr import grid as lr_grid
+
+    p, runs, loader = plan(4), [lr_run()], {"choice": {"images_per_s": 1e9}}
     step, val = 0.1 / 0.85, 0.04
 
-    def validation(steps):
-        return slurm_jobs.short_run_seconds(
-            {**params, "validation": {"multiple": 1.0, "budget": {"steps": steps}}}, *inputs)
+    def seconds(batch, micro, passes):
+        return forecast.run_seconds(runs, loader, p, G5, batch=batch, micro_batches=micro,
+                                    validations=passes, val_images=128, limit_val=None)
 
-    assert validation(20) == pytest.approx(20 * step + 4 * val)
-    assert validation(40) == pytest.approx(40 * step + 8 * val)
+    for steps in (20, 40):
+        micro, passes = lr_grid.run_batches({"budget": {"steps": steps}}, 1, 5, 1)
+        assert seconds(64, micro, passes) == pytest.approx(steps * step + steps // 5 * val)
     cfg = {"fraction": 0.02, "min_steps": 10, "cap": 2, "evaluations": 5}
-    batch = slurm_jobs.short_run_seconds(
-        {**params, "batch_curve": {"multiple": 2.0, "cfg": cfg}}, *inputs)
-    assert batch == pytest.approx(20 * step + 11 * val)
+    shape = batch_grid.shape(p, 2.0)
+    r = batch_grid.run_budget(cfg, p, shape, batch_grid.plan_steps(1280, 1, p))
+    micro, passes = r["max_steps"] * shape["accumulate_grad_batches"], \
+        r["max_steps"] // r["eval_every"] + 1
+    assert seconds(shape["per_device_batch"], micro, passes) == \
+        pytest.approx(20 * step + 11 * val)

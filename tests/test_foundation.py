@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from conftest import BIN, REPO, copy_workflow, one_sentence, snakemake
+from imgclf import settings
 
 
 def tree_digest(root: Path) -> dict:
@@ -375,3 +376,25 @@ def test_progress_in_a_log_advances_and_never_repeats_a_line(caplog, monkeypatch
             bar.set_postfix(rate=i)
     counts = [re.search(r"grid: (\d+)/3", r.getMessage()).group(1) for r in caplog.records]
     assert counts == ["0", "3"], [r.getMessage() for r in caplog.records]
+
+
+def test_the_hardware_table_is_kept_in_config_yaml_alone():
+    """config/config.yaml holds the hardware entries; docs/hardware.md's table and each
+    machine's profile (profiles/<entry>: its `gpu` pool and the entry it selects) must say what
+    it says, so that an edit there cannot leave them behind unnoticed."""
+    entries = settings.load()["clusters"]
+    text = (REPO / "docs" / "hardware.md").read_text()
+    table = text[text.index("| name "):].split("\n\n")[0].splitlines()[2:]  # past the header
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                          for line in table)}
+    for name, e in entries.items():
+        if name == "local":  # detected: the table says so in words
+            assert "detected" in rows[name][1], rows[name]
+            continue
+        assert rows[name][1:] == [f"{e['gpus_per_node']}x {e['gpu_model']}",
+                                  f"{e['gpu_memory_gb']} GB", str(e["nodes"]),
+                                  str(e["cpus_per_node"]), f"{e['ram_gb']} GB"], (name, rows[name])
+        profile = yaml.safe_load((REPO / "profiles" / name / "config.yaml").read_text())
+        assert profile["config"] == [f"cluster={name}"], (name, profile)
+        assert profile["resources"] == [f"gpu={e['gpus_per_node']}"], (name, profile)
+    assert set(rows) == set(entries), (sorted(rows), sorted(entries))

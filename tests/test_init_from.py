@@ -181,13 +181,14 @@ def test_the_measured_memory_solve_builds_its_model_from_the_weights():
 
 STARTS_FROM_WEIGHTS = {
     "memory_params": (), "lr_find_params": (), "noise_scale_params": (),
-    "batch_lr_params": (2,), "train_params": (), "validate_lr_run_params": (2,),
-    "batch_run_params": (2,),
+    "batch_lr_params": (2,), "train_params": (), "validate_lr_run_params": (),
+    "batch_run_params": (),
 }
 NEVER = {
     "hydration_params": (), "loader_params": (), "lr_summary_params": (),
     "forecast_params": (), "evaluate_params": (), "lr_validation_params": (),
     "lr_validation_steps_params": (), "batch_curve_params": (),
+    "validate_lr_shape_params": (2,), "batch_shape_params": (2,),
 }
 
 

@@ -257,7 +257,8 @@ lr_finder: {num_iter: 30, skip_start: 3, skip_end: 2}
 
 def test_lr_stage_runs_for_real_and_is_reproducible(workflow_copy):
     (workflow_copy / "fast.yaml").write_text(FAST)
-    res = snakemake(workflow_copy, "results/lr/local_summary.json", "--configfile", "fast.yaml")
+    res = snakemake(workflow_copy, "results/lr/local_summary.json", "results/lr/local.png",
+                    "--configfile", "fast.yaml")
     assert res.returncode == 0, res.stderr[-3000:]
     runs = [json.loads((workflow_copy / f"results/lr/local/run{i}.json").read_text())
             for i in range(3)]

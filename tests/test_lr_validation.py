@@ -13,6 +13,7 @@ from PIL import Image
 
 from conftest import FAST_YAML, built_from_memory, one_sentence, planned
 from imgclf import artifacts, recipes, settings, slices
+from imgclf.figures import lr_validation as lr_validation_figure
 from imgclf.lr import grid as lr_grid
 from imgclf.lr import validation as lr_validation
 from imgclf.train import learning_rate as train_learning_rate
@@ -70,9 +71,11 @@ def test_diverged_runs_rank_last_and_a_diverged_choice_warns():
 def write_run(folder, multiple, val_loss, val_acc1, base=0.1):
     path = folder / f"x{multiple:g}" / "train_summary.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"lr": {"value": base * multiple, "multiple": multiple},
+    path.write_text(json.dumps({"lr": {"value": base * multiple},
                                 "final": {"val_loss": val_loss, "val_acc1": val_acc1},
-                                "completed": True}))
+                                "completed": True,
+                                "run": {"record": {"multiple": multiple,
+                                                   "budget": {"steps": 3}}}}))
     return path
 
 
@@ -88,7 +91,8 @@ def test_aggregate_of_hand_made_runs_with_a_diverged_one(tmp_path):
     paths = [write_run(tmp_path, 0.5, 0.52, 0.81), write_run(tmp_path, 1.0, 0.50, 0.83),
              write_run(tmp_path, 4.0, math.nan, 0.1)]
     out, png = tmp_path / "v.json", tmp_path / "v.png"
-    result = lr_validation.run(paths, summary, [0.5, 4], 0.1, out, png)
+    result = lr_validation.run(paths, summary, [0.5, 4], 0.1, out)
+    lr_validation_figure.draw(out, png)  # from the JSON, the NaN as json wrote it
     assert json.loads(out.read_text())["verdict"] == result["verdict"] == "ok"
     assert result["chosen_rank"] == 1 and result["of"] == 3 and result["runs"][2]["lr"] == 0.4
     assert result["provenance"]["config_digest"] and str(summary) in result["provenance"]["inputs"]
@@ -100,10 +104,9 @@ def test_aggregate_of_hand_made_runs_with_a_diverged_one(tmp_path):
     with Image.open(png) as img:
         assert img.format == "PNG"
     with pytest.raises(UserError, match="No LR validation run for multiple.s. 2 of"):
-        lr_validation.run(paths, summary, [0.5, 2, 4], 0.1, out, png)
+        lr_validation.run(paths, summary, [0.5, 2, 4], 0.1, out)
     with pytest.raises(UserError, match="does not exist: run `snakemake"):
-        lr_validation.run([tmp_path / "x8/train_summary.json"], summary, [8], 0.1, out,
-                                png)
+        lr_validation.run([tmp_path / "x8/train_summary.json"], summary, [8], 0.1, out)
 
 
 def test_aggregate_records_the_extra_multiples_and_a_best_still_at_the_edge(tmp_path):
@@ -112,8 +115,7 @@ def test_aggregate_records_the_extra_multiples_and_a_best_still_at_the_edge(tmp_
     summary.write_text(json.dumps(LR_SUMMARY))
     paths = [write_run(tmp_path, m, loss, 0.8)
              for m, loss in ((0.5, 0.7), (1.0, 0.5), (2.0, 0.45), (4.0, 0.4))]
-    result = lr_validation.run(paths, summary, [0.5], 0.1, tmp_path / "v.json",
-                                     tmp_path / "v.png")
+    result = lr_validation.run(paths, summary, [0.5], 0.1, tmp_path / "v.json")
     assert result["extension"]["side"] == "top"
     assert result["extension"]["extra_multiples"] == [2.0, 4.0]
     assert not result["extension"]["bracketed"] and result["extension"]["next_multiple"] == 8
@@ -235,8 +237,10 @@ def test_budget_takes_steps_over_epochs_over_fraction():
 
 def test_run_slices_leave_out_what_the_runs_do_not_read():
     config = settings.load(overrides={"validate_lr": {"multiples": [0.5, 1, 2], "steps": 5}})
-    base = slices.validate_lr_run_params(config, "local", "2")
-    assert base["validation"] == {"budget": {"steps": 5}, "multiple": 2.0}
+    base = slices.validate_lr_run_params(config, "local")
+    shape = slices.validate_lr_shape_params(config, "local", "2")
+    assert shape["spec"] == {"budget": {"steps": 5}, "multiple": 2.0}
+    assert "validation" not in base and "validate_lr" not in json.dumps(base)
     assert base["train"]["lr_source"] == "lr_finder" and base["train"]["seed"] == 0
     assert base["train"]["save_top_k"] == 1
     for edit in ({"train": {"lr_source": "validation", "seed": 7, "save_top_k": 2}},
@@ -244,7 +248,8 @@ def test_run_slices_leave_out_what_the_runs_do_not_read():
                                   "extend_steps": 5}}):
         edited = settings.load(overrides=settings._merge(
             {"validate_lr": {"multiples": [0.5, 1, 2], "steps": 5}}, edit))
-        assert slices.validate_lr_run_params(edited, "local", "2") == base, edit
+        assert slices.validate_lr_run_params(edited, "local") == base, edit
+        assert slices.validate_lr_shape_params(edited, "local", "2") == shape, edit
     assert slices.lr_validation_params(config, "local") == {"multiples": [0.5, 1.0, 2.0],
                                                               "tolerance": 0.1}
     assert config["validate_lr"]["extend_steps"] == 2  # the schema's default
@@ -295,8 +300,10 @@ VALIDATE = "results/lr/local/validate"
 
 @pytest.fixture(scope="module")
 def validated(tmp_path_factory, through_memory):
-    """A clone of the memory solve's workflow in which training on the validated LR ran."""
-    return built_from_memory(tmp_path_factory, through_memory, "lr_validation", BASE_YAML, TARGET)
+    """A clone of the memory solve's workflow in which training on the validated LR ran, and
+    the validation's figure was drawn."""
+    return built_from_memory(tmp_path_factory, through_memory, "lr_validation", BASE_YAML, TARGET,
+                             "results/lr/local_validation.png")
 
 
 def ranked(losses: dict) -> list[float]:
@@ -324,7 +331,11 @@ def test_stage_writes_the_grid_verdict_and_plot(validated):
         run_dir = validated / VALIDATE / f"x{lr_grid.multiple_name(m)}"
         s = json.loads((run_dir / "train_summary.json").read_text())
         assert s["world_size"] == 2 and s["per_device_batch"] == memory["per_device_batch"]
-        assert s["total_steps"] == 3 and s["completed"] and s["validation"]["max_steps"] == 3
+        assert s["total_steps"] == 3 and s["completed"] and s["run"]["max_steps"] == 3
+        assert s["run"]["record"] == {"multiple": m, "budget": {"steps": 3}}
+        shape = json.loads((run_dir / "run.json").read_text())  # what training was handed
+        assert shape["lr"]["value"] == pytest.approx(m * summary["training_lr"])
+        assert shape["seconds"] > 0 and shape["warmup_fraction"] is not None
         assert (run_dir / "checkpoints/last.ckpt").is_file()
     png = validated / "results/lr/local_validation.png"
     with Image.open(png) as img:
@@ -369,9 +380,10 @@ STEPS = {"validate_lr_extend_steps"} | AGGREGATE
 VALIDATION_CASES = {
     "no-op": (None, set()),
     "a multiple added: its run only": ("validate_lr: {multiples: [1, 4, 1000]}",
-                                       {"validate_lr_run[4]"} | EDGE),
+                                       {"validate_lr_shape[4]", "validate_lr_run[4]"} | EDGE),
     "the budget: every run": ("validate_lr: {steps: 2}",
-                              {"validate_lr_run[1]", "validate_lr_run[1000]"} | EDGE),
+                              {"validate_lr_shape[1]", "validate_lr_run[1]",
+                               "validate_lr_shape[1000]", "validate_lr_run[1000]"} | EDGE),
     "the tolerance: no run": ("validate_lr: {tolerance: 0.5}", AGGREGATE),
     # the step count as a file rewritten (what reruns the aggregate waiting on a new step)
     "fewer edge steps: no run": ("validate_lr: {extend_steps: 0}", STEPS),

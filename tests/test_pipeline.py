@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import time
 
 import pandas as pd
 import psutil
 
-from conftest import SNAKEMAKE, resume_line, resume_point, snakemake
+from conftest import resume_line, resume_point, snakemake, training_until_checkpoint
 
 RESUME = """
 train: {epochs: 3, lr_source: recipe}
@@ -37,14 +35,7 @@ def test_killed_training_resumes_from_last_checkpoint(demo_run_copy):
     work = demo_run_copy
     (work / "resume.yaml").write_text(RESUME)
     target = ["results/train/local/best.ckpt", "--configfile", "resume.yaml"]
-    last = work / "results/train/local/checkpoints/last.ckpt"
-    first = subprocess.Popen([SNAKEMAKE, "--cores", "2", *target], cwd=work,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while not last.exists():
-        assert first.poll() is None, "Snakemake ended before training wrote a checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.2)
+    first, last = training_until_checkpoint(work, *target)
     victims = training_processes(psutil.Process(first.pid))
     assert victims, "training processes not found"
     for proc in victims:

@@ -70,30 +70,39 @@ def table(name: str) -> str:
 
 
 # The jobs downstream of each stage, inclusive (the DAG of Snakefile; 2 LR runs in REDUCED).
+# Each stage's figure is drawn by a rule of its own from the stage's files (plot_*): a stage
+# that reruns redraws it; a figure's edit redraws it alone.
 # the export reads the evaluation's figures and the trained weights
 EXPORT = {"export_model", "all"}
-EVAL = {"evaluate", table("eval")} | EXPORT
-TRAIN = {"train_model"} | EVAL
+EVAL = {"evaluate", "plot_evaluation", table("eval")} | EXPORT
+TRAIN = {"train_model", "plot_training"} | EVAL
 # training takes the forecast as `ancient`: a new forecast (a price) does not retrain
 FORECAST = {"forecast", table("forecast"), "all"}
 # the training's settings file: a change of training's params
 SETTINGS = {"train_settings"} | TRAIN
 # the noise scale: measured at the chosen LR, priced by the forecast
-NOISE = {"noise_scale", table("noise")} | FORECAST
-LR_SUMMARY = {"summarize_lr", table("lr")} | TRAIN | NOISE
+NOISE = {"noise_scale", "plot_noise", table("noise")} | FORECAST
+# the LR figure draws the runs' curves beside the summary's choice
+LR_SUMMARY = {"summarize_lr", "plot_lr", table("lr")} | TRAIN | NOISE
 LR = {"lr_find[run=0]", "lr_find[run=1]"} | LR_SUMMARY | FORECAST
-MEMORY = {"solve_memory", table("memory")} | LR
-LOADER = {"benchmark_loader", table("loader")} | MEMORY
+MEMORY = {"solve_memory", "plot_memory", table("memory")} | LR
+LOADER = {"benchmark_loader", "plot_loader", table("loader")} | MEMORY
 # the optional LR validation, default grid and its first edge step (a checkpoint: what it adds
-# is planned once it has run): planned only when training takes its LR from it
-VALIDATION = {f"validate_lr_run[multiple={m}]" for m in ("0.25", "0.5", "1", "2", "4")} | {
-    "validate_lr_edge[step=0]", "validate_lr_extend_steps", "summarize_lr_validation"}
-# the check's dependents wait for it (checkpoint): planned is the check only
-HYDRATION = {"check_hydration", "all"}
+# is planned once it has run): planned only when training takes its LR from it, and then its
+# figure is among `all`'s
+VALIDATION = {f"validate_lr_{job}[multiple={m}]" for m in ("0.25", "0.5", "1", "2", "4")
+              for job in ("shape", "run")} | {
+    "validate_lr_edge[step=0]", "validate_lr_extend_steps", "summarize_lr_validation",
+    "plot_lr_validation"}
+# the check's dependents wait for it (checkpoint): planned are the check and its figure, which
+# reads the full report
+HYDRATION = {"check_hydration", "plot_hydration", "all"}
 # new demo images: the demo and the check; the stages after it read the check's file index and
 # are planned once the check has run and found a changed census
 DATA = {"prepare_demo_data"} | HYDRATION
 TABLES = {table(t) for t in ("loader", "memory", "lr", "noise", "forecast", "eval")}
+PLOT_RULES = {f"plot_{f}" for f in ("hydration", "loader", "memory", "lr", "noise",
+                                    "training", "evaluation")}
 
 CONFIG_CASES = {
     "dataset: demo images": ("demo: {jpeg_quality: 90}", DATA),
@@ -165,17 +174,26 @@ CODE_CASES = {
     "index.py": ("index.py", (), HYDRATION),
     "loader_bench/timing.py": ("loader_bench/timing.py", (), LOADER),
     "memory/solve.py": ("memory/solve.py", (), MEMORY),
-    "lr_find.py": ("lr_find.py", (), LR),
+    "lr/find.py": ("lr/find.py", (), LR),
     # the readers of every artifact: the decode paths a plan names too, which the loader
     # benchmark's data sets take
     "artifacts.py (read from the loader benchmark on)": ("artifacts.py", (), LOADER),
     "train/module.py": ("train/module.py", (), TRAIN),
-    "lr_grid.py (imported by training)": ("lr_grid.py", (), TRAIN),
+    # the experiments' modules (the LR validation's and the batch curve's grids, the shapes
+    # of their runs, their aggregates): training runs none of them, so none replans it
+    **{m: (m, (), set()) for m in ("lr/grid.py", "lr/shape.py", "lr/validation.py",
+                                   "batch/grid.py", "batch/shape.py", "batch/curve.py")},
     "evaluate.py": ("evaluate.py", (), EVAL),
     "export.py": ("export.py", (), EXPORT),
     "forecast.py": ("forecast.py", (), FORECAST),
     "noise_scale.py": ("noise_scale.py", (), NOISE),
     "report_tables.py": ("report_tables.py", (), TABLES | {"all"}),
+    # a figure's module: its figure alone, never the stage it shows (nor a training)
+    "figures/lr.py": ("figures/lr.py", (), {"plot_lr", "all"}),
+    "figures/training.py": ("figures/training.py", (), {"plot_training", "all"}),
+    "figures/evaluation.py": ("figures/evaluation.py", (), {"plot_evaluation", "all"}),
+    # what the figures share: every figure of `all`, and no compute job
+    "figures/common.py": ("figures/common.py", (), PLOT_RULES | {"all"}),
     # the stages up to the LR summary do not run evaluate.py
     "evaluate.py, unrelated to the LR summary": ("evaluate.py", ("results/lr/local_summary.json",),
                                                  set()),
@@ -277,8 +295,8 @@ def test_census_change_propagates_through_the_handoff(demo_run, tmp_path):
     new = json.loads(handoff.read_text())
     assert new["census_digest"] != old["census_digest"]
     assert new["files"]["train"] == old["files"]["train"] + 1
-    # the census is also one of the training's settings
-    assert plan(clone) == (LOADER | {"train_settings"}) - {"benchmark_loader"}
+    # the census is also one of the training's settings; the check's figure reads its report
+    assert plan(clone) == (LOADER | {"train_settings", "plot_hydration"}) - {"benchmark_loader"}
 
 
 # --- provenance -------------------------------------------------------------------------------

@@ -197,17 +197,21 @@ def test_a_one_task_entry_trains_in_an_srun_step_of_its_own(slurm_demo):
 
 
 def test_the_short_runs_ask_for_their_budgets_time_within_a_shorter_partition(slurm_demo):
-    """An LR validation run and a batch-curve run, planned in the finished demo (its LR runs
-    and loader benchmark made), ask for their step budget's time at the LR runs' pace, capped
-    by the entry's `slurm_time_limit_minutes` (60), with the training's requeue: partition
-    short (MaxTime 60) accepts each, where it refuses 12 hours."""
+    """An LR validation run and a batch-curve run of the finished demo, their shapes made (what
+    each asks of training, with the seconds of its step budget at the LR runs' pace), ask for
+    that time, capped by the entry's `slurm_time_limit_minutes` (60), with the training's
+    requeue: partition short (MaxTime 60) accepts each, where it refuses 12 hours."""
     work, _ = slurm_demo
     (work / "short.yaml").write_text(CLUSTER_YAML.replace(
         "cpu_processes: 1}", "cpu_processes: 1, slurm_time_limit_minutes: 60}", 1))
+    shapes = ["results/lr/ci2x1/validate/x1/run.json", "results/batch/ci2x1/x1/run.json"]
+    res = snakemake(work, *shapes, *entry("short.yaml"))  # here: the batch's range test too
+    assert res.returncode == 0, res.stderr[-3000:]
     runs = [job for job in jobs_under_slurm(work, "ci2x1", "results/lr/ci2x1_validation.json",
                                             "results/batch/ci2x1.json",
                                             configfiles=["short.yaml"])
-            if job["rule"] in ("validate_lr_run", "batch_run")]
+            # the runs whose shape is made (the others' time is decided once theirs is)
+            if job["rule"] in ("validate_lr_run", "batch_run") and "runtime" in job["resources"]]
     assert {job["rule"] for job in runs} == {"validate_lr_run", "batch_run"}, runs
     for job in runs:
         res = job["resources"]

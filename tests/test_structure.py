@@ -32,9 +32,8 @@ NEUTRAL = {
     "cli": "the command line's parsing and dispatch (the shell rules' entry point)",
     "lr": "the LR package's docstring: each of its modules is a unit of its own",
     "batch": "the batch curve package's docstring: each of its modules is a unit of its own",
+    "figures": "the figures package's docstring: each of its modules is a unit of its own",
 }
-# ... and per rule: a training's curves are redrawn from its metrics.csv, never retrained for
-NEUTRAL_FOR = {"train_model": {"plots"}, "validate_lr_run": {"plots"}, "batch_run": {"plots"}}
 # a shell rule's command: the `imgclf` sub-command, and the module it runs
 SUBCOMMANDS = {"train": "train", "evaluate": "evaluate"}
 
@@ -79,7 +78,7 @@ def import_graph() -> dict[str, set[str]]:
 
 # Packages whose modules are rerun units each (a rule's code() names `lr.find`), so that an edit of
 # one reruns only the rules that run it; every other package is one unit (`memory`).
-MODULE_UNITS = ("lr", "batch")
+MODULE_UNITS = ("lr", "batch", "figures")
 
 
 def unit(module: str) -> str:
@@ -141,12 +140,12 @@ def listed_unit(path: str) -> str:
 @pytest.fixture(scope="module")
 def listed_code(tmp_path_factory) -> dict[str, set[str]]:
     """{rule: the units its code() inputs name}, as Snakemake plans every job of the demo
-    through evaluation, the export, a prediction set, the report tables, the LR validation and
-    the batch curve."""
+    through evaluation, the export, a prediction set, the report tables and the figures, the LR
+    validation and the batch curve with theirs."""
     work = copy_workflow(tmp_path_factory.mktemp("structure") / "wf")
     (work / "predict.yaml").write_text("predict: {sets: {demo: results/demo/digits/val}}\n")
-    res = snakemake(work, "-n", "--forceall", "all", "results/lr/local_validation.json",
-                    "results/batch/local.json", "--configfile", "predict.yaml")
+    res = snakemake(work, "-n", "--forceall", "all", "results/lr/local_validation.png",
+                    "results/batch/local.png", "--configfile", "predict.yaml")
     assert res.returncode == 0, res.stderr[-3000:]
     listed, rule = {}, None
     for line in res.stdout.splitlines():
@@ -164,7 +163,7 @@ def test_each_rule_lists_the_code_its_stage_runs(listed_code):
     graph = import_graph()
     problems = []
     for rule, entry in sorted(rule_entries().items()):
-        neutral = set(NEUTRAL) | NEUTRAL_FOR.get(rule, set())
+        neutral = set(NEUTRAL)
         # what a neutral module imports reaches no figure through it
         runs = {unit(m) for m in closure(graph, entry, lambda m: unit(m) not in neutral)}
         runs -= neutral

@@ -4,6 +4,7 @@ resumed through Snakemake: test_pipeline.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from imgclf.train import learning_rate as train_learning_rate
 from imgclf.train import module as train_module
 from imgclf.train import trainer as train_trainer
 from imgclf.errors import UserError
-from imgclf.artifacts import Plan
+from imgclf.artifacts import Plan, RunShape
 from imgclf.train import resume
 from imgclf.train import module as schedule
 from imgclf.train import summary as after
@@ -278,9 +279,9 @@ def test_digest_covers_data_census_and_ignores_bookkeeping_keys(demo_root, tmp_p
     rec = recipes.get("demo")
     lr = {"source": "recipe", "value": 0.2}
 
-    def digest(p=params, train_cfg=None, lr_=lr):
+    def digest(p=params, train_cfg=None, lr_=lr, run=None):
         return resume.train_digest(p, settings.section({"train": train_cfg or {}}, "train"),
-                                   plan, lr_, rec)
+                                   plan, lr_, rec, run)
 
     base = digest()
     assert digest(train_cfg={"save_top_k": 2}) == base
@@ -288,13 +289,18 @@ def test_digest_covers_data_census_and_ignores_bookkeeping_keys(demo_root, tmp_p
     assert digest(lr_={"source": "recipe", "value": 0.3}) != base
     changed = {**params, "census": {"verdict": "pass", "census_digest": "another data set"}}
     assert digest(p=changed) != base
-    # a batch-curve run resumes only a checkpoint of its own budget and target: an edit of
-    # `batch_curve.min_steps`, or a new target from the plan batch's run, starts it afresh
-    cfg = {"fraction": 0.02, "min_steps": 50, "evaluations": 20, "cap": 4}
-    run = {**params, "batch_curve": {"multiple": 2.0, "cfg": cfg, "target": 1.5}}
-    assert digest(p=run) != base
-    for edit in ({"cfg": {**cfg, "min_steps": 60}}, {"target": 1.4}):
-        assert digest(p={**run, "batch_curve": {**run["batch_curve"], **edit}}) != digest(p=run)
+    # a short run (an LR validation or batch-curve run) resumes only a checkpoint of its own
+    # shape: a new budget (an edit of `batch_curve.min_steps`: more steps and validations), or
+    # a new target from the plan batch's run, starts it afresh; its time request does not
+    shape = RunShape(what="a run", per_device_batch=32, accumulate_grad_batches=2, epochs=4,
+                     max_steps=50, limit_train_batches=10, val_every_steps=3, warmup_steps=4,
+                     warmup_fraction=None, lr=lr, decay=False, average_weights=False,
+                     stop_below_val_loss=1.5, seconds=60.0, record={"min_steps": 50})
+    assert digest(run=shape) != base
+    for edit in ({"max_steps": 60, "record": {"min_steps": 60}}, {"stop_below_val_loss": 1.4},
+                 {"val_every_steps": 4}):
+        assert digest(run=dataclasses.replace(shape, **edit)) != digest(run=shape), edit
+    assert digest(run=dataclasses.replace(shape, seconds=90.0, what="b")) == digest(run=shape)
 
 
 def test_merge_metrics_drops_rows_redone_after_resume(tmp_path):
@@ -488,6 +494,10 @@ def test_ddp_two_gloo_processes_through_cli(demo_root, tmp_path):
     assert s["resumed_from"] is None and s["provenance"]["inputs"]
     assert s["images_per_s"] > 0 and s["best"]["epoch"] in (0, 1)
     assert val_rows(out) == [0, 1]
+    # the curves, drawn after training from what it wrote (the rule plot_training)
+    from imgclf.figures import training as training_figure
+
+    training_figure.draw(out / "metrics.csv", out / "train_summary.json", out / "curves.png")
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     names = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
     assert "last.ckpt" in names

@@ -127,6 +127,59 @@ class LRSummary:
                    scaling_reason=d.get("scaling_reason", ""),
                    multiple=float(d.get("multiple", 1.0)))
 
+    def at_plan(self, plan: Plan) -> dict:
+        """The LR a training of `plan` takes from this summary, and where it came from (what
+        training and the LR validation's runs record), checked to be for the plan's batch."""
+        if self.global_batch != plan.global_batch:
+            raise UserError(f"LR summary {self.path} is for global batch {self.global_batch} "
+                            f"but the memory solve plans {plan.global_batch}: rerun `snakemake "
+                            f"{self.path}`.")
+        return {"value": self.training_lr, "source": "lr_finder", "file": self.path,
+                "chosen_lr": self.chosen_lr, "multiple": self.multiple,
+                "scaling": self.scaling, "scaling_reason": self.scaling_reason,
+                "global_batch": plan.global_batch,
+                "detail": f"LR finder {self.chosen_lr:.4g} (x{self.multiple:g} the runs' median "
+                          f"suggestion) at batch {self.finder_batch}, {self.scaling} scaling to "
+                          f"global batch {plan.global_batch}"}
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """How a short training of the entry runs (results/lr/{cluster}/validate/x{m}/run.json, an
+    LR validation run; results/batch/{cluster}/x{m}/run.json, a batch-curve run): what the
+    experiment that wrote it decided, in training's own terms, so that training knows nothing
+    of the experiments. `record` is the experiment's own, which training copies into its
+    summary for the experiment's aggregate; `seconds`, what its Slurm time request is sized
+    from."""
+
+    what: str
+    per_device_batch: int
+    accumulate_grad_batches: int
+    epochs: int
+    max_steps: int | None  # None: the epochs
+    limit_train_batches: int | None  # batches per epoch (None: `train.limit_train_batches`)
+    val_every_steps: int | None  # validate every this many optimizer steps (None: each epoch)
+    warmup_steps: int | None  # warm-up in steps, or ...
+    warmup_fraction: float | None  # ... as this share of the run (None and None: the recipe's)
+    lr: dict  # value, source, detail: training's peak LR
+    decay: bool  # whether the LR decays after warm-up (else held)
+    average_weights: bool  # the recipe's weight average, where it has one
+    stop_below_val_loss: float | None
+    seconds: float | None
+    record: dict
+
+    @classmethod
+    def read(cls, path) -> "RunShape":
+        how = f"run `snakemake {path}`"
+        d = read(path, "Run shape", how)
+        fields = tuple(cls.__dataclass_fields__)
+        require(d, fields, "Run shape", path, how)
+        return cls(**{k: d[k] for k in fields})
+
+    def learned(self) -> dict:
+        """What changes what the run learns (its training digest): all but its name and time."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("what", "seconds")}
+
 
 def lr_runs(paths) -> list[dict]:
     """The LR-finder runs (results/lr/{cluster}/run{i}.json), each with its curve and timing."""
@@ -211,14 +264,15 @@ def lr_validation(path) -> dict:
 
 
 def validation_run(path) -> dict:
-    """One LR validation run's figures, from its train_summary.json."""
+    """One LR validation run's figures, from its train_summary.json (its shape's record: the
+    multiple and budget its experiment gave it)."""
     try:
         s = read_json(path)
-        lr, final = s["lr"], s["final"]
-        return {"multiple": float(lr["multiple"]), "lr": float(lr["value"]),
+        lr, final, record = s["lr"], s["final"], s["run"]["record"]
+        return {"multiple": float(record["multiple"]), "lr": float(lr["value"]),
                 "val_loss": final["val_loss"], "val_acc1": final["val_acc1"],
-                "completed": bool(s["completed"]),
-                "budget": (s.get("validation") or {}).get("budget"), "file": str(path)}
+                "completed": bool(s["completed"]), "budget": record.get("budget"),
+                "file": str(path)}
     except FileNotFoundError:
         raise UserError(f"LR validation run {path} does not exist: run `snakemake {path}`.") \
             from None
@@ -246,3 +300,12 @@ def handoff_key(path) -> dict | None:
     except (FileNotFoundError, ValueError):
         return None
     return {k: handoff.get(k) for k in ("verdict", "census_digest")}
+
+
+def per_epoch(metrics, column: str):
+    """A training's metrics.csv (as a DataFrame): the last logged value of `column` in each
+    epoch (None when it was never logged); what its summary and its curves read of it."""
+    if column not in metrics:
+        return None
+    s = metrics.dropna(subset=[column]).groupby("epoch")[column].last()
+    return s if len(s) else None

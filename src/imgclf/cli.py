@@ -46,8 +46,11 @@ def cmd_check_hydration(args):
     out = args.out or f"results/hydration/{name}.json"
     stem = out[:-len(".json")] if out.endswith(".json") else out
     report = hydration.run(**p, out=out, out_verdict=f"{stem}.verdict.json",
-                                 out_png=f"{stem}.png", out_excluded=f"{stem}.excluded.txt",
+                                 out_excluded=f"{stem}.excluded.txt",
                                  out_index={s: f"{stem}.{s}.tsv" for s in ("train", "val")})
+    from imgclf.figures import hydration as figure
+
+    figure.draw(out, f"{stem}.png")
     print(f"verdict: {report['verdict']}; {report['excluded']} files excluded")
 
 
@@ -58,7 +61,10 @@ def cmd_benchmark_loader(args):
     name = config["cluster"]
     out = args.out or f"results/loader/{name}"
     report = loader_bench.run(**slices.loader_params(config, name), out_json=f"{out}.json",
-                                    out_csv=f"{out}.csv", out_png=f"{out}.png")
+                                    out_csv=f"{out}.csv")
+    from imgclf.figures import loader as figure
+
+    figure.draw(f"{out}.json", f"{out}.png")
     print(json.dumps({"choice": report["choice"], "baseline": report["baseline"]}))
 
 
@@ -70,7 +76,10 @@ def cmd_solve_memory(args):
     out = args.out or f"results/memory/{name}"
     report = memory.run(**slices.memory_params(config, name),
                               loader_json=args.loader or f"results/loader/{name}.json",
-                              out_json=f"{out}.json", out_png=f"{out}.png")
+                              out_json=f"{out}.json")
+    from imgclf.figures import memory as figure
+
+    figure.draw(f"{out}.json", f"{out}.png")
     print(json.dumps({k: report[k] for k in (
         "method", "per_device_batch", "accumulate_grad_batches", "global_batch", "num_workers",
         "prefetch_factor", "decoder", "predicted_gpu_bytes", "predicted_host_bytes")}))
@@ -120,8 +129,7 @@ def cmd_train(args):
     default_lr = slices.lr_file(settings.section(params, "train")["lr_source"], name)
     summary = train.run(params, args.memory or f"results/memory/{name}.json",
                         args.lr_file or default_lr,
-                        args.out_dir or f"results/train/{name}", args.forecast,
-                        args.target_file)
+                        args.out_dir or f"results/train/{name}", args.forecast, args.run)
     if summary is not None:  # global rank 0
         print(json.dumps({"best_val_acc1": summary["best"]["val_acc1"],
                           "best_epoch": summary["best"]["epoch"],
@@ -133,10 +141,13 @@ def cmd_evaluate(args):
     from imgclf import evaluate
 
     params, name = _stage_params(args, slices.evaluate_params)
+    out = args.out or f"results/eval/{name}.json"
     report = evaluate.run(params, args.memory or f"results/memory/{name}.json",
-                          args.checkpoint or f"results/train/{name}/best.ckpt",
-                          args.out or f"results/eval/{name}.json",
-                          args.confusion or f"results/eval/{name}_confusion.png")
+                          args.checkpoint or f"results/train/{name}/best.ckpt", out)
+    if not args.no_figure:
+        from imgclf.figures import evaluation as figure
+
+        figure.draw(out, args.confusion or f"results/eval/{name}_confusion.png")
     print(json.dumps({k: report[k] for k in ("top1", "top5", "loss", "num_images")}))
 
 
@@ -205,7 +216,10 @@ def cmd_lr_summary(args):
         raise UserError(f"No LR-finder runs in {folder}: run `imgclf lr-find --cluster {name}` first.")
     memory = _upstream(args.memory or f"results/memory/{name}.json", f"results/memory/{name}.json")
     summary = lr_summary.run(runs, memory, **slices.lr_summary_params(config, name),
-                             out=f"{folder}_summary.json", plot=f"{folder}.png", cluster=name)
+                             out=f"{folder}_summary.json", cluster=name)
+    from imgclf.figures import lr as figure
+
+    figure.draw(runs, f"{folder}_summary.json", f"{folder}.png")
     print(f"chosen LR {summary['chosen_lr']:.4g} (x{summary['multiple']:g} the suggestions' "
           f"median, spread x{summary['spread']['max_over_min']:.2f} over "
           f"{summary['valid_runs']} runs); training LR {summary['training_lr']:.4g} at "
@@ -318,13 +332,12 @@ def _ddp_commands(sub) -> None:
     p.add_argument("--lr-file", default=None,
                    help="the file the LR comes from (`train.lr_source`): the LR summary (default "
                         "results/lr/CLUSTER_summary.json), or with `validation` the LR validation "
-                        "(default results/lr/CLUSTER_validation.json); a batch-curve run's "
-                        "own range test")
+                        "(default results/lr/CLUSTER_validation.json)")
     p.add_argument("--out-dir", default=None, help="default results/train/CLUSTER")
-    p.add_argument("--target-file", default=None,
-                   help="a batch-curve run's target: the train summary of the run at the "
-                        "plan's batch, whose validation loss (the median over the last "
-                        "quarter of its budget) it trains to")
+    p.add_argument("--run", default=None,
+                   help="a short run's shape (run.json of an LR validation or batch-curve run: "
+                        "its batch, length, warm-up, validations and LR), in place of the "
+                        "training's own")
     p.add_argument("--forecast", default=None,
                    help="forecast JSON (results/forecast/CLUSTER.json): log the pace against it "
                         "and record forecast against actual")
@@ -337,6 +350,9 @@ def _ddp_commands(sub) -> None:
     p.add_argument("--out", default=None, help="report JSON (default results/eval/CLUSTER.json)")
     p.add_argument("--confusion", default=None,
                    help="confusion PNG (default results/eval/CLUSTER_confusion.png)")
+    p.add_argument("--no-figure", action="store_true",
+                   help="write the report only (the workflow draws the confusion PNG from it in "
+                        "a rule of its own, plot_evaluation)")
     p.set_defaults(fn=cmd_evaluate)
 
     p = sub.add_parser("export", help="the evaluated model as results/export/CLUSTER/: "

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from imgclf import data, devices, plots, provenance, recipes, settings
+from imgclf import data, devices, provenance, recipes, settings
 from imgclf.errors import UserError
 from imgclf.index import BAD_FILES, read_bad_files
 from imgclf.artifacts import Plan
@@ -140,8 +140,10 @@ def predict(model, loader, device, precision: str, channels_last: bool,
     return time.perf_counter() - t_loop
 
 
-def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
-    """Evaluate `checkpoint` on the val split; write the report JSON and the confusion PNG."""
+def run(params: dict, memory_path, checkpoint, out) -> dict:
+    """Evaluate `checkpoint` on the val split; write the report JSON, which holds what its
+    figure is drawn from (imgclf.figures.evaluation): the confusion matrix up to
+    `evaluate.max_confusion_classes` classes, the most confused pairs beyond."""
     t0 = time.perf_counter()
     ev = settings.section(params, "evaluate")
     model_cfg, cluster = params["model"], params["cluster"]
@@ -171,16 +173,11 @@ def run(params: dict, memory_path, checkpoint, out, confusion_png) -> dict:
     res = acc.result(classes, int(ev["top_confused"]))
     cm = res.pop("_confusion")
     small = len(classes) <= int(ev["max_confusion_classes"])
-    if small:
-        plots.confusion(cm, classes, confusion_png)
-    else:
-        plots.confused_pairs(res["most_confused"], len(classes), confusion_png)
     report = {
         "cluster": cluster["name"], **res,
         "loss_kind": "mean cross-entropy (no label smoothing)",
         "num_classes": len(classes), "classes": classes,
         "confusion_matrix": cm.tolist() if small else None,
-        "confusion_png": str(confusion_png),
         "confusion_plot": "matrix" if small else "most confused pairs",
         "checkpoint": {"path": str(checkpoint), "epoch": ckpt.get("epoch"),
                        "global_step": ckpt.get("global_step"),

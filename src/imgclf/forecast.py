@@ -242,6 +242,16 @@ def pace(runs: list[dict], loader: dict, plan: Plan, hw: dict,
     return step_s, eval_s
 
 
+def run_seconds(runs: list[dict], loader: dict, plan: Plan, hw: dict, *, batch: int,
+                micro_batches: int, validations: int, val_images: int, limit_val) -> float:
+    """Seconds of a training run of the entry's devices at per-device `batch`: its
+    micro-batches per rank and its validation passes over `val_images` (at most `limit_val`
+    batches) at the pace of `pace`. What a short run's Slurm time request is sized from."""
+    step_s, eval_s = pace(runs, loader, plan, hw, batch)
+    val_batches = budget.batches_per_rank(val_images, plan.world_size, batch, False, limit_val)
+    return micro_batches * step_s + validations * val_batches * eval_s
+
+
 def efficiency_of(hw: dict, plan: Plan, measured: dict | None) -> dict:
     """The scaling efficiency used and where it comes from: measured over one node's CPU ranks
     (across nodes: set or assumed), set by the entry, or assumed."""

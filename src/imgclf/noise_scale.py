@@ -10,12 +10,10 @@ import logging
 import math
 import time
 
-import numpy as np
-
-from imgclf import budget, one_device, plots, recipes
+from imgclf import budget, one_device, recipes
 from imgclf.lr import scaling as lr_scaling
 from imgclf.artifacts import LRSummary, Plan
-from imgclf.gradient_noise import estimate, time_ratio, unbiased
+from imgclf.gradient_noise import estimate
 from imgclf.progress import progress
 from imgclf.provenance import write_artifact
 
@@ -163,27 +161,9 @@ def measure(source: str, model: dict, hw: dict, plan: Plan, lr: LRSummary, cfg: 
     return result
 
 
-def plot_series(result: dict) -> dict:
-    """What the plot draws: the running B_simple as steps are added, and the paper's time and
-    cost against the global batch relative to the plan (none without a noise scale)."""
-    h, value, planned = result["history"], result["b_simple"], result["global_batch"]
-    grad_sq, trace = unbiased(h["small_sq"], h["big_sq"], result["small_batch"],
-                              result["big_batch"])
-    steps = np.arange(1, len(grad_sq) + 1)
-    g_mean, t_mean = np.cumsum(grad_sq) / steps, np.cumsum(trace) / steps
-    running = np.where(g_mean > 0, t_mean / np.where(g_mean > 0, g_mean, 1), np.nan)
-    series = {"steps": steps, "running": running, "batches": None}
-    if value:
-        lo, hi = np.log2(min(planned, value)) - 2, np.log2(max(planned, value)) + 2
-        batches = np.logspace(lo, hi, 61, base=2)
-        time_rel = np.array([time_ratio(planned, b, value) for b in batches])
-        series.update(batches=batches, time=time_rel, cost=time_rel * batches / planned)
-    return series
-
-
-def run(source, model, hw, cfg, train, measurement_share, memory_path, lr_path, out, plot,
+def run(source, model, hw, cfg, train, measurement_share, memory_path, lr_path, out,
         threads=None) -> dict:
-    """results/noise/{cluster}.json and its plot."""
+    """results/noise/{cluster}.json (its figure is drawn from it: imgclf.figures.noise)."""
     plan = Plan.read(memory_path, hw["name"])
     result = measure(source, model, hw, plan, LRSummary.read(lr_path), cfg, train,
                      measurement_share, threads)
@@ -193,7 +173,6 @@ def run(source, model, hw, cfg, train, measurement_share, memory_path, lr_path, 
                                     hw["name"])})
     log.info("B_simple %s over %d steps; %s", _fmt(result["b_simple"]), result["steps"],
              result["advice"]["sentence"])
-    plots.noise_scale(result, plot_series(result), plot)
     return write_artifact(out, result, config_slice={"source": source, "model": model, "hw": hw,
                                                       "noise_scale": cfg, "train": train,
                                                       "measurement_share": measurement_share},

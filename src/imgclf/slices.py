@@ -268,20 +268,38 @@ def predict_params(config: dict, name: str) -> dict:
                       "batch_size": p["batch_size"]})
 
 
-def validate_lr_run_params(config: dict, cluster_name: str, multiple) -> dict:
-    """validate_lr_run: what training gets (train_params), with the summary's LR as its source
-    and `validate_lr.seed` as its seed whatever `train.*` says, plus the run's multiple and
-    budget. Neither the other multiples nor the tolerance reach it: adding a multiple or
-    relaxing the verdict redoes no run, and `train.lr_source`/`seed`/`save_top_k` never
-    replan one."""
-    v = config["validate_lr"]
+def short_run_params(config: dict, cluster_name: str, seed: int) -> dict:
+    """A short run of an experiment (validate_lr_run, batch_run): what training gets
+    (train_params) with the experiment's seed whatever `train.*` says; its shape, the run's own,
+    is an input (run.json). `train.lr_source` (the shape brings its LR) and `save_top_k` never
+    replan one: one best checkpoint besides last.ckpt, as the runs are compared by their final
+    figures, and five multiples x top-5 checkpoints would be wasted disk."""
     params = train_params(config, cluster_name)
-    # one best checkpoint besides last.ckpt (which a resume needs): the runs are compared by
-    # their final figures, and five multiples x top-5 checkpoints would be wasted disk
-    params["train"] = {**params["train"], "lr_source": "lr_finder", "seed": v["seed"],
+    params["train"] = {**params["train"], "lr_source": "lr_finder", "seed": seed,
                        "save_top_k": 1}
-    params["validation"] = {"multiple": float(multiple), "budget": lr_grid.budget(v)}
     return canonical(params)
+
+
+def shape_params(config: dict, cluster_name: str) -> dict:
+    """What shapes a short run of the training's shape beside its experiment's own keys: the
+    training's length and limits, the recipe (its warm-up, epochs), the entry."""
+    t = config["train"]
+    return {"train": {k: t[k] for k in ("epochs", "limit_train_batches", "limit_val_batches")},
+            "model": {"recipe": config["model"]["recipe"]},
+            "hw": stage_hardware(config, cluster_name)}
+
+
+def validate_lr_run_params(config: dict, cluster_name: str) -> dict:
+    """validate_lr_run: a short run (short_run_params) seeded by `validate_lr.seed`."""
+    return short_run_params(config, cluster_name, config["validate_lr"]["seed"])
+
+
+def validate_lr_shape_params(config: dict, cluster_name: str, multiple) -> dict:
+    """validate_lr_shape: the run's multiple and budget (lr.grid.budget) and what shapes it.
+    Neither the other multiples nor the tolerance reach it: adding a multiple or relaxing the
+    verdict redoes no run."""
+    spec = {"multiple": float(multiple), "budget": lr_grid.budget(config["validate_lr"])}
+    return canonical({"spec": spec, **shape_params(config, cluster_name)})
 
 
 def lr_validation_params(config: dict, cluster_name: str) -> dict:
@@ -319,19 +337,21 @@ def batch_lr_params(config: dict, cluster_name: str, multiple) -> dict:
     })
 
 
-def batch_run_params(config: dict, cluster_name: str, multiple) -> dict:
-    """batch_run: what training gets (train_params), seeded by `batch_curve.seed`, with the
-    run's multiple and budget keys; `cap` only for the batches that stop at the target, so
-    that editing it never reruns the plan batch's run, which sets the target."""
+def batch_run_params(config: dict, cluster_name: str) -> dict:
+    """batch_run: a short run (short_run_params) seeded by `batch_curve.seed`."""
+    return short_run_params(config, cluster_name, config["batch_curve"]["seed"])
+
+
+def batch_shape_params(config: dict, cluster_name: str, multiple) -> dict:
+    """batch_run_shape: the run's multiple and budget keys and what shapes it; `cap` only for
+    the batches that stop at the target, so that editing it never reruns the plan batch's run,
+    which sets the target."""
     b = config["batch_curve"]
-    params = train_params(config, cluster_name)
-    params["train"] = {**params["train"], "lr_source": "lr_finder", "seed": b["seed"],
-                       "save_top_k": 1}
     cfg = {k: b[k] for k in BATCH_RUN_KEYS}
     if float(multiple) != 1.0:
         cfg["cap"] = b["cap"]
-    params["batch_curve"] = {"multiple": float(multiple), "cfg": cfg}
-    return canonical(params)
+    return canonical({"b": {"multiple": float(multiple), "cfg": cfg},
+                      **shape_params(config, cluster_name)})
 
 
 def batch_curve_params(config: dict, cluster_name: str) -> dict:

@@ -24,7 +24,6 @@ rule batch_lr_find:
             "lr.grid",
             "budget",
             "lr.scaling",
-            "plots",
         ),
     output:
         "results/batch/{cluster}/x{multiple}/lr.json",
@@ -41,17 +40,39 @@ rule batch_lr_find:
         "../scripts/batch_lr_find.py"
 
 
-rule batch_run:
-    """A training at `multiple` x the plan's global batch through the same entry point as
-    train_model (under Slurm a job of the training's shape), at its range test's LR, held
-    after warm-up, validated every few steps: the plan's batch for its budget (it sets the
-    target), another until it reaches the target. Checkpoints stay in its folder's
-    checkpoints/, not an output, so a killed run resumes."""
+rule batch_run_shape:
+    """What the run at `multiple` x the plan's global batch asks of training (its batch and
+    accumulation, its budget, a validation every few steps, its range test's LR held after
+    warm-up, the plan batch's target to stop at), in training's terms (artifacts.RunShape),
+    and the seconds its Slurm time request is sized from: training knows nothing of the
+    batch curve."""
     input:
         unpack(short_run_pace),
         memory="results/memory/{cluster}.json",
         lr="results/batch/{cluster}/x{multiple}/lr.json",
         target=batch_target,
+        train_index=train_index,
+        val_index=val_index,
+        code=code("batch.shape", "batch.grid", "lr.grid", *SHAPES_RUN),
+    output:
+        "results/batch/{cluster}/x{multiple}/run.json",
+    log:
+        "logs/batch/{cluster}/run_x{multiple}_shape.log",
+    localrule: True
+    params:
+        p=lambda wc: slices.batch_shape_params(config, wc.cluster, wc.multiple),
+    script:
+        "../scripts/batch_run_shape.py"
+
+
+rule batch_run:
+    """A training of its shape through the same entry point as train_model (under Slurm a job
+    of the training's shape): the plan's batch for its budget (it sets the target), another
+    until it reaches the target. Checkpoints stay in its folder's checkpoints/, not an output,
+    so a killed run resumes."""
+    input:
+        memory="results/memory/{cluster}.json",
+        run="results/batch/{cluster}/x{multiple}/run.json",
         train_index=train_index,
         val_index=val_index,
         code=code(*TRAINS),
@@ -65,20 +86,15 @@ rule batch_run:
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
         **training_resources(),
-        **short_run_time(
-            lambda wc: slices.batch_run_params(config, wc.cluster, wc.multiple)
-        ),
+        **short_run_time(),
     params:
         p=lambda wc: json.dumps(
-            slices.batch_run_params(config, wc.cluster, wc.multiple), sort_keys=True
-        ),
-        target=lambda wc, input: (
-            f"--target-file {input.target[0]}" if input.target else ""
+            slices.batch_run_params(config, wc.cluster), sort_keys=True
         ),
         imgclf=IMGCLF,
     shell:
         "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
-        " --memory {input.memory} --lr-file {input.lr} {params.target}"
+        " --memory {input.memory} --run {input.run}"
         " --out-dir results/batch/{wildcards.cluster}/x{wildcards.multiple} --log {log}"
 
 
@@ -99,15 +115,9 @@ rule summarize_batch:
             "artifacts",
             "budget",
             "lr.grid",
-            "plots",
         ),
     output:
         json="results/batch/{cluster}.json",
-        plot=report(
-            "results/batch/{cluster}.png",
-            caption="../report/batch.rst",
-            category="4. Learning rate and batch size",
-        ),
     log:
         "logs/batch/{cluster}.log",
     params:

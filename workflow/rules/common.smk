@@ -38,16 +38,25 @@ READS_IMAGES = ("data", "images", "index", "census", "recipes", "artifacts", "ha
 # What every stage that starts the model from `model.init_from` runs to load the weights
 STARTS_FROM_WEIGHTS = ("weights", "model_folder")
 # What every job that runs `imgclf train` runs: training, an LR validation run, a batch-curve run
+# (an experiment's run brings its shape as a file: training runs none of the experiments' code)
 TRAINS = (
     "train",
     *READS_IMAGES,
     "devices",
-    "lr.grid",
     "lr.scaling",
     "gradient_noise",
-    "batch.grid",
-    "budget",
     *STARTS_FROM_WEIGHTS,
+)
+# What the shape of an experiment's run is computed with beside the experiment's own module: the
+# plan, the training's length, and the pace its time request is sized from (the forecast's)
+SHAPES_RUN = (
+    "forecast",
+    "budget",
+    "index",
+    "recipes",
+    "artifacts",
+    "hardware",
+    "devices",
 )
 
 
@@ -87,9 +96,27 @@ def report_table_source(wildcards):
     return report_tables.SOURCES[wildcards.table].format(cluster=wildcards.cluster)
 
 
+def figures_through_training(cluster):
+    """The figures of the stages up to the trained model, each drawn by a rule of its own
+    (workflow/rules/figures.smk), and the LR validation's where training takes its LR from
+    it."""
+    validation = config["train"]["lr_source"] == "validation"
+    return [
+        f"results/hydration/{cluster}.png",
+        f"results/loader/{cluster}.png",
+        f"results/memory/{cluster}.png",
+        f"results/lr/{cluster}.png",
+        f"results/noise/{cluster}.png",
+        *([f"results/lr/{cluster}_validation.png"] if validation else []),
+        f"results/train/{cluster}/curves.png",
+    ]
+
+
 def all_targets(cluster):
     batch = (
-        [f"results/batch/{cluster}.json"] if config["batch_curve"]["measure"] else []
+        [f"results/batch/{cluster}.json", f"results/batch/{cluster}.png"]
+        if config["batch_curve"]["measure"]
+        else []
     )
     return [
         *batch,
@@ -100,6 +127,8 @@ def all_targets(cluster):
         f"results/noise/{cluster}.json",
         f"results/forecast/{cluster}.json",
         f"results/eval/{cluster}.json",
+        *figures_through_training(cluster),
+        f"results/eval/{cluster}_confusion.png",
         f"results/export/{cluster}",
         *(
             f"results/predict/{cluster}/{name}.csv"
@@ -110,7 +139,11 @@ def all_targets(cluster):
 
 
 def train_targets(cluster):
-    return [f"results/forecast/{cluster}.json", f"results/train/{cluster}/best.ckpt"]
+    return [
+        f"results/forecast/{cluster}.json",
+        f"results/train/{cluster}/best.ckpt",
+        *figures_through_training(cluster),
+    ]
 
 
 def lr_summary_input(wildcards):

@@ -14,9 +14,7 @@ rule export_model:
         evaluation="results/eval/{cluster}.json",
         memory="results/memory/{cluster}.json",
         index=val_index,
-        code=code(
-            "export", *READS_IMAGES, "evaluate", "devices", "plots", "model_folder"
-        ),
+        code=code("export", *READS_IMAGES, "evaluate", "devices", "model_folder"),
     output:
         directory("results/export/{cluster}"),
     log:

@@ -10,7 +10,7 @@ checkpoint check_hydration:
     """
     input:
         data=data_input,
-        code=code("hydration", "census", "index", "images", "hardware", "plots"),
+        code=code("hydration", "census", "index", "images", "hardware"),
     output:
         report=report(
             "results/hydration/{cluster}.json",
@@ -21,11 +21,6 @@ checkpoint check_hydration:
         excluded="results/hydration/{cluster}.excluded.txt",
         train_index="results/hydration/{cluster}.train.tsv",
         val_index="results/hydration/{cluster}.val.tsv",
-        plot=report(
-            "results/hydration/{cluster}.png",
-            caption="../report/hydration.rst",
-            category="1. Hydration",
-        ),
     log:
         "logs/hydration/{cluster}.log",
     threads: node_cpus  # images are decoded on every CPU

@@ -6,7 +6,7 @@ rule benchmark_loader:
     input:
         verdict=hydration_verdict,
         index=train_index,
-        code=code("loader_bench", *READS_IMAGES, "devices", "plots"),
+        code=code("loader_bench", *READS_IMAGES, "devices"),
     output:
         json=report(
             "results/loader/{cluster}.json",
@@ -15,11 +15,6 @@ rule benchmark_loader:
         ),
         csv=report(
             "results/loader/{cluster}.csv",
-            caption="../report/loader.rst",
-            category="2. Loader",
-        ),
-        png=report(
-            "results/loader/{cluster}.png",
             caption="../report/loader.rst",
             category="2. Loader",
         ),

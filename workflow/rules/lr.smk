@@ -28,14 +28,9 @@ rule summarize_lr:
     input:
         runs=lambda wc: lr_runs(wc.cluster),
         memory="results/memory/{cluster}.json",
-        code=code("lr.summary", "lr.scaling", "recipes", "artifacts", "plots"),
+        code=code("lr.summary", "lr.scaling", "recipes", "artifacts"),
     output:
         summary="results/lr/{cluster}_summary.json",
-        plot=report(
-            "results/lr/{cluster}.png",
-            caption="../report/lr.rst",
-            category="4. Learning rate and batch size",
-        ),
     log:
         "logs/lr/{cluster}_summary.log",
     params:

@@ -5,15 +5,10 @@ rule solve_memory:
     batch, loader workers/prefetch within the host RAM budget."""
     input:
         loader="results/loader/{cluster}.json",
-        code=code("memory", *READS_IMAGES, "devices", "plots", *STARTS_FROM_WEIGHTS),
+        code=code("memory", *READS_IMAGES, "devices", *STARTS_FROM_WEIGHTS),
     output:
         json=report(
             "results/memory/{cluster}.json",
-            caption="../report/memory.rst",
-            category="3. Memory",
-        ),
-        png=report(
-            "results/memory/{cluster}.png",
             caption="../report/memory.rst",
             category="3. Memory",
         ),

@@ -16,16 +16,10 @@ rule noise_scale:
             "lr.scaling",
             "one_device",
             "devices",
-            "plots",
             *STARTS_FROM_WEIGHTS,
         ),
     output:
         json="results/noise/{cluster}.json",
-        plot=report(
-            "results/noise/{cluster}.png",
-            caption="../report/noise_scale.rst",
-            category="4. Learning rate and batch size",
-        ),
     log:
         "logs/noise/{cluster}.log",
     benchmark:

@@ -15,6 +15,13 @@
 # threads back.
 from imgclf import budget
 from imgclf import memory as memory_solve
+from imgclf.slurm import jobs as slurm_jobs
+
+# GPU jobs (LR-finder runs, LR validation runs, training) share this machine's GPUs: without a
+# `gpu` pool from the user (--resources gpu=N, or a profile), the pool is the GPUs detected here,
+# so no more GPU jobs run at once than there are GPUs (each then claims its own; see
+# imgclf.devices). Under Slurm the scheduler gives each job its GPUs instead (see the function).
+slurm_jobs.declare_gpu_pool(workflow)
 
 
 def node_cpus(wildcards):
@@ -127,36 +134,23 @@ def training_time():
     }
 
 
-def short_run_seconds(run_params, wildcards, input):
-    """Seconds of an LR validation or batch-curve run (slurm_jobs.short_run_seconds) under Slurm,
-    which sizes its time request; None elsewhere, where no time is asked for. An input not yet
-    made is the FileNotFoundError Snakemake takes for "decided once it exists" (<TBD>).
-    """
-    if not slurm_jobs.workflow_on_slurm(workflow):
-        return None
-    pace = (input.loader, input.memory, input.train_index, input.val_index)
-    for path in (*input.runs, *pace):
-        open(path).close()  # FileNotFoundError naming it, if it is not made yet
-    return slurm_jobs.short_run_seconds(run_params(wildcards), list(input.runs), *pace)
-
-
-def short_run_time(run_params):
-    """A short run's time request and requeue options under Slurm, sized from its step budget
-    and the LR runs' step times as training is from its forecast; `run_params(wildcards)`: the
-    params its rule hands to training."""
+def short_run_time():
+    """A short run's time request and requeue options under Slurm, sized from the seconds its
+    shape (run.json) states, as training's are from its forecast."""
     return {
         "runtime": lambda wc, input: slurm_jobs.time_request(
-            short_run_seconds(run_params, wc, input), hw(wc)
+            slurm_jobs.run_seconds(input.run), hw(wc)
         )[0],
         "slurm_extra": lambda wc, input: slurm_jobs.requeue_options(
-            short_run_seconds(run_params, wc, input), hw(wc)
+            slurm_jobs.run_seconds(input.run), hw(wc)
         ),
     }
 
 
 def short_run_pace(wildcards):
-    """What a short run's time is paced from (`ancient`: a rerun LR run or loader benchmark
-    changes a time request, not the run): the LR runs and the loader benchmark."""
+    """What a short run's shape paces its seconds from (`ancient`: a rerun LR run or loader
+    benchmark changes a time request, not the run): the LR runs and the loader benchmark.
+    """
     return {
         "runs": [ancient(path) for path in lr_runs(wildcards.cluster)],
         "loader": ancient(f"results/loader/{wildcards.cluster}.json"),

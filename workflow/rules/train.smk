@@ -41,11 +41,6 @@ rule train_model:
         best="results/train/{cluster}/best.ckpt",
         metrics="results/train/{cluster}/metrics.csv",
         summary="results/train/{cluster}/train_summary.json",
-        curves=report(
-            "results/train/{cluster}/curves.png",
-            caption="../report/train.rst",
-            category="5. Training",
-        ),
     log:
         "logs/train/{cluster}.log",
     benchmark:
@@ -71,14 +66,9 @@ rule evaluate:
         ckpt="results/train/{cluster}/best.ckpt",
         memory="results/memory/{cluster}.json",
         index=val_index,
-        code=code("evaluate", *READS_IMAGES, "devices", "plots"),
+        code=code("evaluate", *READS_IMAGES, "devices"),
     output:
         json="results/eval/{cluster}.json",
-        confusion=report(
-            "results/eval/{cluster}_confusion.png",
-            caption="../report/evaluate.rst",
-            category="6. Evaluation",
-        ),
     log:
         "logs/eval/{cluster}.log",
     threads: rank_cpus
@@ -91,4 +81,4 @@ rule evaluate:
         imgclf=IMGCLF,
     shell:
         "{params.imgclf:q} evaluate --params-json {params.p:q} --memory {input.memory}"
-        " --checkpoint {input.ckpt} --out {output.json} --confusion {output.confusion} --log {log}"
+        " --checkpoint {input.ckpt} --out {output.json} --no-figure --log {log}"

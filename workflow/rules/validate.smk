@@ -9,15 +9,37 @@ wildcard_constraints:
     step=r"\d+",
 
 
-rule validate_lr_run:
-    """One short training at `multiple` x the summary's training LR, through the same entry
-    point as train_model (and so with the same resources: under Slurm a job of the training's
-    shape). Checkpoints stay in results/lr/{cluster}/validate/x{multiple}/checkpoints/, not an
-    output, so a killed run resumes."""
+rule validate_lr_shape:
+    """What one run at `multiple` x the summary's training LR asks of training (its budget, the
+    recipe's warm-up in proportion, its LR), in training's terms (artifacts.RunShape), and the
+    seconds its Slurm time request is sized from: training knows nothing of the validation.
+    """
     input:
         unpack(short_run_pace),
         memory="results/memory/{cluster}.json",
         lr="results/lr/{cluster}_summary.json",
+        train_index=train_index,
+        val_index=val_index,
+        code=code("lr.shape", "lr.grid", *SHAPES_RUN),
+    output:
+        "results/lr/{cluster}/validate/x{multiple}/run.json",
+    log:
+        "logs/lr/{cluster}/validate_x{multiple}_shape.log",
+    localrule: True
+    params:
+        p=lambda wc: slices.validate_lr_shape_params(config, wc.cluster, wc.multiple),
+    script:
+        "../scripts/validate_lr_shape.py"
+
+
+rule validate_lr_run:
+    """One short training of its shape, through the same entry point as train_model (and so
+    with the same resources: under Slurm a job of the training's shape). Checkpoints stay in
+    results/lr/{cluster}/validate/x{multiple}/checkpoints/, not an output, so a killed run
+    resumes."""
+    input:
+        memory="results/memory/{cluster}.json",
+        run="results/lr/{cluster}/validate/x{multiple}/run.json",
         train_index=train_index,
         val_index=val_index,
         code=code(*TRAINS),
@@ -31,18 +53,15 @@ rule validate_lr_run:
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
         **training_resources(),
-        **short_run_time(
-            lambda wc: slices.validate_lr_run_params(config, wc.cluster, wc.multiple)
-        ),
+        **short_run_time(),
     params:
         p=lambda wc: json.dumps(
-            slices.validate_lr_run_params(config, wc.cluster, wc.multiple),
-            sort_keys=True,
+            slices.validate_lr_run_params(config, wc.cluster), sort_keys=True
         ),
         imgclf=IMGCLF,
     shell:
         "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
-        " --memory {input.memory} --lr-file {input.lr}"
+        " --memory {input.memory} --run {input.run}"
         " --out-dir results/lr/{wildcards.cluster}/validate/x{wildcards.multiple} --log {log}"
 
 
@@ -54,7 +73,7 @@ checkpoint validate_lr_edge:
     that redoes no step and no run."""
     input:
         runs=lambda wc: lr_validation_runs(wc.cluster, int(wc.step)),
-        code=code("lr.validation", "lr.grid", "artifacts", "plots"),
+        code=code("lr.validation", "lr.grid", "artifacts"),
     output:
         "results/lr/{cluster}/validate/edge{step}.json",
     log:
@@ -90,14 +109,9 @@ rule summarize_lr_validation:
         runs=lambda wc: lr_validation_runs(wc.cluster),
         steps="results/lr/{cluster}/validate/extend_steps.json",
         lr="results/lr/{cluster}_summary.json",
-        code=code("lr.validation", "lr.grid", "artifacts", "plots"),
+        code=code("lr.validation", "lr.grid", "artifacts"),
     output:
         json="results/lr/{cluster}_validation.json",
-        plot=report(
-            "results/lr/{cluster}_validation.png",
-            caption="../report/lr_validation.rst",
-            category="4. Learning rate",
-        ),
     log:
         "logs/lr/{cluster}_validation.log",
     params:

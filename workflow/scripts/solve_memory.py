@@ -1,5 +1,5 @@
 from imgclf import memory, stage
 
 stage.run(lambda: memory.run(**snakemake.params.p, loader_json=snakemake.input.loader,
-                                   out_json=snakemake.output.json, out_png=snakemake.output.png),
+                                   out_json=snakemake.output.json),
           snakemake.log[0])

@@ -3,5 +3,5 @@ from imgclf.lr import summary as lr_summary
 
 stage.run(lambda: lr_summary.run(
     snakemake.input.runs, snakemake.input.memory, **snakemake.params.p,
-    out=snakemake.output.summary, plot=snakemake.output.plot, cluster=snakemake.wildcards.cluster,
+    out=snakemake.output.summary, cluster=snakemake.wildcards.cluster,
 ), snakemake.log[0])

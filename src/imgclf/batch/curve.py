@@ -123,7 +123,7 @@ def read_run(s: dict, metrics_path, lr_path, target: float) -> dict:
     """One batch's figures (`s`: its train summary): its batch and LR, the steps and images to
     the target, where it stopped."""
     lr = read_json(lr_path)
-    b = s["batch_curve"]
+    b = s["run"]["record"]  # the run's shape as run_record made it
     steps = steps_to_target(metrics_path, target)
     return {"multiple": b["multiple"], "global_batch": b["global_batch"], "lr": s["lr"]["value"],
             "suggested_lr": lr["suggested_lr"], "steps": steps,
@@ -156,13 +156,14 @@ def summarize(runs: list[dict], plan: artifacts.Plan, cfg: dict, target: float,
     return curve
 
 
-def run(summaries, metrics, lrs, memory_path, noise_path, cfg: dict, cluster: str, out,
-        plot) -> dict:
-    """results/batch/{cluster}.json and its plot from each batch's train summary, metrics and
-    range test (in the same order); the plan's batch (multiple 1) gives the target."""
+def run(summaries, metrics, lrs, memory_path, noise_path, cfg: dict, cluster: str,
+        out) -> dict:
+    """results/batch/{cluster}.json from each batch's train summary, metrics and range test (in
+    the same order); the plan's batch (multiple 1) gives the target. Its figure is drawn from
+    it (imgclf.figures.batch)."""
     plan = artifacts.Plan.read(memory_path, cluster)
     loaded = [read_json(p) for p in summaries]
-    multiples = [float(s["batch_curve"]["multiple"]) for s in loaded]
+    multiples = [float(s["run"]["record"]["multiple"]) for s in loaded]
     missing = sorted(set(cfg["multiples"]) - set(multiples))
     if missing or 1.0 not in multiples:
         raise UserError(f"No batch-curve run for multiple(s) "
@@ -173,8 +174,5 @@ def run(summaries, metrics, lrs, memory_path, noise_path, cfg: dict, cluster: st
     curve = summarize(sorted(runs, key=lambda r: r["global_batch"]), plan, cfg, target,
                       artifacts.noise_scale(noise_path), str(out))
     log.info("%s", curve["advice"]["sentence"])
-    from imgclf import plots  # matplotlib only here: Snakemake imports this module to plan
-
-    plots.batch_curve(curve, plot)
     return write_artifact(out, curve, config_slice=cfg,
                           inputs=[memory_path, noise_path, *summaries, *lrs])

@@ -63,17 +63,6 @@ def run_budget(cfg: dict, plan: artifacts.Plan, run_shape: dict, planned_steps: 
             "share_of_training": round(base_steps / planned_steps, 4)}
 
 
-def run_batches(b: dict, plan: artifacts.Plan, epochs: int, train_images: int,
-                limit) -> tuple[int, int, int]:
-    """(per-device batch, micro-batches per rank, validation passes) of a run at its longest
-    (`b`: its params' `batch_curve`): its step budget, validated every `eval_every` steps."""
-    run_shape = shape(plan, b["multiple"])
-    length = run_budget(b["cfg"], plan, run_shape, plan_steps(train_images, epochs, plan, limit))
-    return (run_shape["per_device_batch"],
-            length["max_steps"] * run_shape["accumulate_grad_batches"],
-            length["max_steps"] // length["eval_every"] + 1)
-
-
 def warmup_steps(recipe, training_epochs: int, base_images: int, global_batch: int) -> int:
     """The recipe's warm-up share of a training (lr_grid.warmup_fraction), over the plan
     batch's budget in images, in this batch's steps: every batch warms up over the same

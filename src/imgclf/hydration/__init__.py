@@ -25,7 +25,7 @@ import logging
 import time
 from pathlib import Path
 
-from imgclf import index, plots
+from imgclf import index
 from imgclf.index import escape
 from imgclf.errors import UserError
 from imgclf import census as census_
@@ -196,9 +196,10 @@ def findings_path(out) -> Path:
 
 
 def run(root, params: dict, min_read_mb_s: float, cluster: str, out, out_verdict,
-              out_png, out_excluded, out_index: dict) -> dict:
-    """Check; on a pass write the plot, the excluded list, the indexes, the report and the
-    hand-off; on a failure write the findings and raise the one-sentence failure."""
+              out_excluded, out_index: dict) -> dict:
+    """Check; on a pass write the excluded list, the indexes, the report (which its figure is
+    drawn from: imgclf.figures.hydration) and the hand-off; on a failure write the findings and
+    raise the one-sentence failure."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"Data root {root} does not exist: set `dataset.root` (or the "
@@ -211,7 +212,6 @@ def run(root, params: dict, min_read_mb_s: float, cluster: str, out, out_verdict
         write_json(findings, report)
         raise UserError(failure_sentence(report, params, findings))
     findings.unlink(missing_ok=True)
-    plots.hydration(report, out_png)
     write_excluded(out_excluded, cen)
     write_indexes(cen, out_index, params["max_image_pixels"])
     written = write_artifact(out, report, config_slice={"params": params, "root": str(root),

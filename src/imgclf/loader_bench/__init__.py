@@ -23,7 +23,7 @@ import psutil
 import torch
 from imgclf.progress import progress
 
-from imgclf import data, devices, hardware, plots, provenance, recipes
+from imgclf import data, devices, hardware, provenance, recipes
 from imgclf.errors import UserError
 from imgclf.loader_bench.choice import (baseline_block, choice_block, choose, cost,
                                         decoder_bests, describe_config)
@@ -230,13 +230,13 @@ def write_csv(path, rows: list[dict]) -> None:
                 str(x) for x in (r["window_images_per_s"] or []))})
 
 
-def run(source: str, loader: dict, model: dict, hw: dict, out_json, out_csv, out_png,
+def run(source: str, loader: dict, model: dict, hw: dict, out_json, out_csv,
               inputs=()) -> dict:
-    """Benchmark, then write the CSV, the plot and the JSON (the JSON last: it marks success)."""
+    """Benchmark, then write the CSV and the JSON (the JSON last: it marks success; its figure
+    is drawn from it, imgclf.figures.loader)."""
     report = benchmark(source, loader, model, hw)
     log.info("choice: %s", report["choice"]["why"])
     write_csv(out_csv, report["rows"])
-    plots.loader(report, out_png)
     return provenance.write_artifact(
         out_json, report, config_slice={"source": source, "loader": loader, "model": model, "hw": hw},
         inputs=list(inputs))

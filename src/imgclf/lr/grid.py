@@ -1,7 +1,8 @@
 """The LR validation's grid and the shape of each of its runs: which multiples of the LR summary's
 training LR are trained (1, the chosen LR, always among them), for how long (`validate_lr`'s
-budget), with the recipe's warm-up kept in proportion, at which LR. What the rules' params, the
-training of a run and the aggregate share (imgclf.lr.validation ranks the runs)."""
+budget), with the recipe's warm-up kept in proportion, at which LR. The rules' params and each
+run's shape (results/lr/{cluster}/validate/x{m}/run.json, which training reads as it reads any
+artifacts.RunShape) come from here; imgclf.lr.validation ranks the runs."""
 
 from __future__ import annotations
 

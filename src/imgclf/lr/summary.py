@@ -10,7 +10,7 @@ import logging
 
 import numpy as np
 
-from imgclf import artifacts, plots, recipes
+from imgclf import artifacts, recipes
 from imgclf.artifacts import Plan
 from imgclf.errors import UserError
 from imgclf.lr.scaling import scale_lr, scaling_rule
@@ -148,14 +148,14 @@ def summarize(runs: list[dict], plan: Plan, cfg: dict, recipe_name: str) -> dict
     }
 
 
-def run(run_paths, memory_path, cfg, recipe_name, out, plot, cluster) -> dict:
-    """results/lr/{cluster}_summary.json and its plot."""
+def run(run_paths, memory_path, cfg, recipe_name, out, cluster) -> dict:
+    """results/lr/{cluster}_summary.json (its figure, with the runs' curves:
+    imgclf.figures.lr)."""
     runs = artifacts.lr_runs(run_paths)
     summary = summarize(runs, Plan.read(memory_path, cluster), cfg, recipe_name)
     log.info("chosen LR %.4g (x%g the suggestions' median, spread x%.2f), training LR %.4g at "
              "global batch %d (%s); recipe reference %.4g", summary["chosen_lr"],
              summary["multiple"], summary["spread"]["max_over_min"], summary["training_lr"],
              summary["global_batch"], summary["scaling"], summary["reference_lr"])
-    plots.lr_summary(runs, summary, plot)
     return write_artifact(out, summary, config_slice={"lr_finder": cfg, "recipe": recipe_name},
                           inputs=[*run_paths, memory_path])

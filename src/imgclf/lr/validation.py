@@ -208,9 +208,9 @@ def _extension_sentence(record: dict, final: dict, runs: list[dict]) -> str:
     return f"The grid brackets its best: {_between(final, runs)}."
 
 
-def run(run_paths, summary_path, multiples, tolerance: float, out, plot) -> dict:
-    """results/lr/{cluster}_validation.json and its plot from the runs' train summaries (the
-    grid's and the edge steps' extra multiples)."""
+def run(run_paths, summary_path, multiples, tolerance: float, out) -> dict:
+    """results/lr/{cluster}_validation.json from the runs' train summaries (the grid's and the
+    edge steps' extra multiples); its figure is drawn from it (imgclf.figures.lr_validation)."""
     runs = sorted((artifacts.validation_run(p) for p in run_paths), key=lambda r: r["multiple"])
     missing = sorted(set(grid(multiples)) - {r["multiple"] for r in runs})
     if missing:
@@ -230,9 +230,6 @@ def run(run_paths, summary_path, multiples, tolerance: float, out, plot) -> dict
     }
     ok = v["verdict"] == "ok" and edge["bracketed"]
     (log.info if ok else log.warning)("%s", result["reason"])
-    from imgclf import plots  # matplotlib only here: Snakemake imports this module to plan
-
-    plots.lr_validation(result, plot)
     return write_artifact(out, result, config_slice={"multiples": grid(multiples),
                                                      "tolerance": tolerance},
                           inputs=[*run_paths, summary_path])

@@ -289,17 +289,15 @@ def solve(memory: dict, model: dict, hw: dict, loader: dict, gpu_here=None) -> d
     return report(p, batch, accum, loader_fit, warnings)
 
 
-def run(memory: dict, model: dict, hw: dict, loader_json, out_json, out_png) -> dict:
+def run(memory: dict, model: dict, hw: dict, loader_json, out_json) -> dict:
     """solve_memory: reads the loader benchmark of `hw`, solves, logs the plan and its
-    warnings, and writes the report with provenance to `out_json` and its plot to `out_png`."""
-    from imgclf import plots  # matplotlib only here: Snakemake imports this package to plan
-
+    warnings, and writes the report with provenance to `out_json` (its figure is drawn from it:
+    imgclf.figures.memory)."""
     result = solve(memory, model, hw, artifacts.loader_report(loader_json, hw["name"]))
     for w in result["warnings"]:
         log.warning("%s", w)
     log.info("%s: per-device batch %d x %d devices x %d nodes x accumulation %d = %d (%s)",
              hw["name"], result["per_device_batch"], result["devices_per_node"], result["nodes"],
              result["accumulate_grad_batches"], result["global_batch"], result["method"])
-    plots.memory(result, out_png)
     return provenance.write_artifact(out_json, result, config_slice={
         "memory": memory, "model": model, "hw": hw}, inputs=[loader_json])

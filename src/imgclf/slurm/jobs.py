@@ -16,6 +16,7 @@ import shlex
 import sys
 
 from imgclf.artifacts import forecast_seconds
+from imgclf.provenance import read_json
 from imgclf.hardware import GB, JOB_MEM_FRACTION, MIB, device_cpus, local_device_count
 
 
@@ -253,35 +254,10 @@ def requeue_options(seconds: float | None, cluster: dict) -> str:
             f"--deadline=now+{deadline}minutes")
 
 
-def short_run_seconds(params: dict, run_paths, loader_path, memory_path, train_index,
-                      val_index) -> float:
-    """Seconds of a short training of the entry's shape (an LR validation run or a batch-curve
-    run, `params` as its rule hands them to training): its micro-batches per rank and its
-    validation passes (lr_grid.run_batches, batch_grid.run_batches) at the pace the forecast
-    gives training (forecast.pace). What its time request is sized from."""
-    from imgclf import budget, forecast, index, recipes
-    from imgclf.batch import grid as batch_grid
-    from imgclf.lr import grid as lr_grid
-    from imgclf.artifacts import Plan, loader_report, lr_runs
-
-    hw, t = params["cluster"], params["train"]
-    plan = Plan.read(memory_path, hw["name"])
-    epochs = recipes.get(params["model"]["recipe"]).planned_epochs(t["epochs"])
-    train_images, world = index.images(train_index), plan.world_size
-    if params.get("batch_curve"):
-        batch, micro, passes = batch_grid.run_batches(params["batch_curve"], plan, epochs,
-                                                      train_images, t["limit_train_batches"])
-    else:
-        batch = plan.per_device_batch
-        per_epoch = budget.batches_per_rank(train_images, world, batch, True,
-                                            t["limit_train_batches"])
-        micro, passes = lr_grid.run_batches(params["validation"], epochs, per_epoch,
-                                            plan.accumulate_grad_batches)
-    step_s, eval_s = forecast.pace(lr_runs(run_paths), loader_report(loader_path, hw["name"]),
-                                   plan, hw, batch)
-    val_batches = budget.batches_per_rank(index.images(val_index), world, batch, False,
-                                          t["limit_val_batches"])
-    return micro * step_s + passes * val_batches * eval_s
+def run_seconds(run_path) -> float | None:
+    """The seconds a short run's shape (run.json) states; a shape not yet written is the
+    FileNotFoundError Snakemake takes for "decided once it exists" (<TBD>)."""
+    return read_json(run_path).get("seconds")
 
 
 def train_runtime(forecast_path: str, cluster: dict) -> int:

@@ -10,7 +10,8 @@ Layout under the out dir (results/train/{cluster}/):
                  so it survives a failed job and a rerun resumes from it
   logs/          CSVLogger attempts (logs/csv/version_N) and TensorBoard when installed
   superseded/    checkpoints and logs of the previous training, moved aside on a fresh start
-  best.ckpt, metrics.csv, curves.png, train_summary.json   the declared outputs
+  best.ckpt, metrics.csv, train_summary.json   the declared outputs (curves.png is drawn from
+                 them afterwards, by imgclf.figures.training)
 
 Where the parts live: module.py (model, data, LR schedule), callbacks.py (throughput, progress,
 what each attempt records), resume.py (the resume decision), summary.py (after training)."""
@@ -44,13 +45,13 @@ CKPT_NAME = "epoch={epoch}-val_acc1={val/acc1:.4f}"
 
 
 def run(params: dict, memory_path, lr_file, out_dir,
-        forecast_path=None, target_file=None) -> dict | None:
+        forecast_path=None, run_path=None) -> dict | None:
     """Train on every rank; return the summary on global rank 0, None elsewhere. With the
     forecast of results/forecast/{cluster}.json (`forecast_path`), it logs the bill before the
     first step, its pace in the progress lines, and forecast against actual in the summary.
-    `target_file`: a batch-curve run's target (the plan batch's summary)."""
+    `run_path`: a short run's shape (artifacts.RunShape), which its experiment wrote."""
     t_start = time.perf_counter()
-    job = prepare(params, memory_path, lr_file, out_dir, target_file)
+    job = prepare(params, memory_path, lr_file, out_dir, run_path)
     # the ranks of a node share its job's memory: each says what it may use beside its plan
     devices.check_share(job.plan, f"A training rank of cluster {job.cluster['name']!r}",
                         processes=int(job.cluster["devices_per_node"]))
@@ -69,7 +70,7 @@ def run(params: dict, memory_path, lr_file, out_dir,
                              channels_last=bool(model_cfg["channels_last"]),
                              compile=bool(job.t["compile"]), train_digest=job.digest,
                              warmup_fraction=job.warmup_fraction,
-                             fixed_warmup_steps=(job.batch_run or {}).get("warmup_steps"),
+                             fixed_warmup_steps=job.run.warmup_steps if job.run else None,
                              decay=job.decays,
                              # a resume's weights are its checkpoint's
                              init_from=model_cfg.get("init_from") if fresh else None)
@@ -85,17 +86,18 @@ def run(params: dict, memory_path, lr_file, out_dir,
     bars, show_bar = progress_callbacks(throughput, (expected or {}).get("total_s"))
     ema_warmup = min(job.recipe.warmup_epochs, job.epochs / 2) if job.warmup_fraction is None \
         else job.warmup_fraction * job.epochs
-    # a batch-curve run validates its own weights: an average updated every few steps would
-    # lag the steps to the target, most at the large batches that take few
-    ema = None if job.batch_run else for_recipe(job.recipe, global_batch=job.plan.global_batch,
-                                                epochs=job.epochs, warmup_epochs=ema_warmup)
+    # a short run may validate its own weights (a batch-curve run's: an average updated every
+    # few steps would lag the steps to its target)
+    averages = job.run.average_weights if job.run else True
+    ema = for_recipe(job.recipe, global_batch=job.plan.global_batch, epochs=job.epochs,
+                     warmup_epochs=ema_warmup) if averages else None
     noise = NoiseScaleLog(job.plan.per_device_batch * job.plan.accumulate_grad_batches,
                           job.plan.global_batch) if job.t["noise_scale"] else None
     callbacks = [throughput, recorder, checkpoint, *bars, *([ema] if ema else []),
                  *([noise] if noise else []),
                  *([ValidateAtStepBudget(job.max_steps)] if job.max_steps else []),
-                 *([at_target(job.batch_run["target"])]
-                   if job.batch_run and job.batch_run["target"] is not None else []),
+                 *([at_target(job.run.stop_below_val_loss)]
+                   if job.run and job.run.stop_below_val_loss is not None else []),
                  *([RequeueAtTimeLimit(job.out_dir / "checkpoints")]
                    if slurm_task.task_info() else [])]
     trainer = build_trainer(job, loggers, callbacks, show_bar)
@@ -117,7 +119,7 @@ def run(params: dict, memory_path, lr_file, out_dir,
 
 
 def at_target(target: float):
-    """A batch-curve run stops at the first validation below the target loss (or diverged);
+    """A short run with a target stops at the first validation below that loss (or diverged);
     never for lack of progress."""
     from lightning.pytorch.callbacks import EarlyStopping
 
@@ -131,6 +133,8 @@ def announce(job, expected: dict | None) -> None:
     if job.resume["path"] is None:
         supersede(job.out_dir, "logs")
     log.info("%s", job.resume["note"])
+    if job.run is not None:
+        log.info("%s, as its shape says", job.run.what)
     log.info("LR %.5g from %s (%s)", job.lr["value"], job.lr["source"], job.lr["detail"])
     if expected is not None:
         log.info("Forecast: %s", expected["sentence"])

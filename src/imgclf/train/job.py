@@ -1,6 +1,8 @@
 """Everything one training run is decided from, read and checked before any rank starts: its
 params and `train.*`, the plan, the recipe, the LR, the run's length, the hardware claimed and
-checked, and whether it resumes (train/resume.py)."""
+checked, and whether it resumes (train/resume.py). A short run of an experiment (an LR
+validation run, a batch-curve run) brings its shape (artifacts.RunShape: its batch, length,
+warm-up, validations and LR), which the experiment decided: training knows none of them."""
 
 from __future__ import annotations
 
@@ -10,10 +12,8 @@ from pathlib import Path
 
 import torch
 
-from imgclf import devices, index, recipes, settings
-from imgclf.batch import grid as batch_grid
-from imgclf.lr import grid as lr_grid
-from imgclf.artifacts import Plan
+from imgclf import devices, recipes, settings
+from imgclf.artifacts import Plan, RunShape
 from imgclf.errors import UserError
 from imgclf.train.learning_rate import resolve_lr
 from imgclf.train.resume import agreed_resume, train_digest
@@ -54,20 +54,23 @@ class Job:
     out_dir: Path
     digest: str
     resume: dict
-    max_steps: int | None = None  # an LR validation run's steps budget
-    warmup_fraction: float | None = None  # an LR validation run's compressed warm-up
-    batch_run: dict | None = None  # a batch-curve run: its shape, budget and target
+    run: RunShape | None = None  # a short run's shape; None for a training
+
+    @property
+    def max_steps(self) -> int | None:
+        """A short run's step budget (None: the epochs)."""
+        return self.run.max_steps if self.run else None
+
+    @property
+    def warmup_fraction(self) -> float | None:
+        """A short run's warm-up as a share of it (None: the recipe's epochs, or its steps)."""
+        return self.run.warmup_fraction if self.run else None
 
     @property
     def decays(self) -> bool:
-        """Whether the LR decays after warm-up: a batch-curve run holds it, so that its steps
-        to the target do not depend on how long it may train."""
-        return self.batch_run is None
-
-    @property
-    def validation(self) -> dict | None:
-        """The multiple and budget of an LR validation run; None for a real training."""
-        return self.params.get("validation")
+        """Whether the LR decays after warm-up, or is held (a run whose steps to a target must
+        not depend on how long it may train)."""
+        return self.run.decay if self.run else True
 
     @property
     def cluster(self) -> dict:
@@ -88,7 +91,9 @@ class Job:
             else f"ddp ({self.backend})"
 
 
-def prepare(params: dict, memory_path, lr_file, out_dir, target_file=None) -> Job:
+def prepare(params: dict, memory_path, lr_file, out_dir, run_path=None) -> Job:
+    """The Job of a training (`lr_file`: its LR source's file) or, with `run_path`, of a short
+    run of the shape that file holds (its LR among it)."""
     for key in ("data_root", "index", "model", "cluster"):
         if key not in params:
             raise UserError(f"The train params lack `{key}` (expected data_root, index, census, "
@@ -102,42 +107,20 @@ def prepare(params: dict, memory_path, lr_file, out_dir, target_file=None) -> Jo
         raise UserError(f"Memory solve {memory_path} plans {plan.world_size} devices but cluster "
                         f"{cluster['name']!r} has {world}: rerun `snakemake {memory_path}`.")
     recipe = recipes.get(model_cfg["recipe"])
-    epochs, max_steps, warmup, batch_run = recipe.planned_epochs(t["epochs"]), None, None, None
-    if params.get("batch_curve"):
-        plan, lr, batch_run = batch_curve_run(params, t, plan, recipe, epochs, lr_file,
-                                              target_file)
-        params = {**params, "batch_curve": {**params["batch_curve"],
-                                            "target": batch_run["target"]}}
-        epochs, max_steps = batch_run["epochs"], batch_run["max_steps"]
+    run = RunShape.read(run_path) if run_path else None
+    if run:
+        plan = replace(plan, per_device_batch=run.per_device_batch,
+                       accumulate_grad_batches=run.accumulate_grad_batches)
+        lr, epochs = run.lr, run.epochs
     else:
-        lr = resolve_lr(t["lr_source"], lr_file, recipe, plan)
-    if params.get("validation"):  # a short run at a multiple of the LR, schedule compressed
-        lr = lr_grid.run_lr(lr, params["validation"])
-        warmup = lr_grid.warmup_fraction(recipe, epochs)
-        epochs, max_steps = lr_grid.run_length(params["validation"], epochs)
-    digest = train_digest(params, t, plan, lr, recipe)
+        lr, epochs = resolve_lr(t["lr_source"], lr_file, recipe, plan), \
+            recipe.planned_epochs(t["epochs"])
+    digest = train_digest(params, t, plan, lr, recipe, run)
     resume = agreed_resume(Path(out_dir) / "checkpoints", digest,
                            "nccl" if cluster["accelerator"] == "gpu" else "gloo",
                            collective_timeout(t))
     return Job(params=params, t=t, plan=plan, recipe=recipe, lr=lr, epochs=epochs,
-               out_dir=Path(out_dir), digest=digest, resume=resume, max_steps=max_steps,
-               warmup_fraction=warmup, batch_run=batch_run)
-
-
-def batch_curve_run(params: dict, t: dict, plan: Plan, recipe, epochs: int, lr_file,
-                    target_file) -> tuple[Plan, dict, dict]:
-    """A batch-curve run's plan (the plan's devices at the run's batch and accumulation), its
-    LR (its own range test's) and its shape, budget and target (batch_grid.run_record)."""
-    b = params["batch_curve"]
-    if float(b["multiple"]) != 1.0 and target_file is None:
-        raise UserError("A batch-curve run at another batch than the plan's needs the plan "
-                        "batch's summary as --target-file (the Snakemake rule passes it).")
-    train_images = sum(index.read(params["index"]["train"]).counts)
-    record = batch_grid.run_record(b, plan, recipe, epochs, train_images,
-                                   t["limit_train_batches"], target_file)
-    run_plan = replace(plan, per_device_batch=record["per_device_batch"],
-                       accumulate_grad_batches=record["accumulate_grad_batches"])
-    return run_plan, batch_grid.run_lr(lr_file, plan, record), record
+               out_dir=Path(out_dir), digest=digest, resume=resume, run=run)
 
 
 def collective_timeout(t: dict) -> timedelta:

@@ -1,6 +1,6 @@
-"""The peak LR a training (or an LR validation run) uses and where it came from: the LR summary
-scaled to the plan's global batch, the recipe's own LR by its optimizer's rule, or the best of
-the LR validation grid (`train.lr_source`)."""
+"""The peak LR a training uses and where it came from: the LR summary scaled to the plan's global
+batch, the recipe's own LR by its optimizer's rule, or the best of the LR validation grid
+(`train.lr_source`). A short run of an experiment brings its own (artifacts.RunShape)."""
 
 from __future__ import annotations
 
@@ -20,17 +20,7 @@ def resolve_lr(source: str, lr_file, recipe: recipes.Recipe, plan: Plan) -> dict
         return {"value": value, "source": "recipe", "global_batch": plan.global_batch,
                 "detail": f"recipe {recipe.name}: {recipe.lr:g} at batch {recipe.ref_batch}, "
                           f"{rule} scaling to global batch {plan.global_batch} ({why})"}
-    s = LRSummary.read(lr_file)
-    if s.global_batch != plan.global_batch:
-        raise UserError(f"LR summary {lr_file} is for global batch {s.global_batch} but "
-                        f"the memory solve plans {plan.global_batch}: rerun `snakemake "
-                        f"{lr_file}`.")
-    return {"value": s.training_lr, "source": "lr_finder", "file": str(lr_file),
-            "chosen_lr": s.chosen_lr, "multiple": s.multiple, "scaling": s.scaling,
-            "scaling_reason": s.scaling_reason, "global_batch": plan.global_batch,
-            "detail": f"LR finder {s.chosen_lr:.4g} (x{s.multiple:g} the runs' median "
-                      f"suggestion) at batch {s.finder_batch}, {s.scaling} scaling to global "
-                      f"batch {plan.global_batch}"}
+    return LRSummary.read(lr_file).at_plan(plan)
 
 
 def validated_lr(path, plan: Plan) -> dict:

@@ -31,8 +31,10 @@ RESUME_NEUTRAL = ("save_top_k", "log_every_n_steps", "compile", "cudnn_benchmark
 DECISION_ENV = "IMGCLF_RESUME_DECISION"
 
 
-def train_digest(params: dict, t: dict, plan, lr: dict, recipe) -> str:
-    """Digest of everything that changes what is learned; last.ckpt resumes only if it matches."""
+def train_digest(params: dict, t: dict, plan, lr: dict, recipe, run=None) -> str:
+    """Digest of everything that changes what is learned; last.ckpt resumes only if it matches.
+    `run`: a short run's shape (artifacts.RunShape), all of it that changes what it learns:
+    its budget, warm-up, validations and target too."""
     c = params["cluster"]
     return provenance.digest_obj({
         "data_root": os.path.normpath(params["data_root"]),
@@ -43,10 +45,7 @@ def train_digest(params: dict, t: dict, plan, lr: dict, recipe) -> str:
         "world": [c["accelerator"], c["devices_per_node"], c["nodes"]],
         "plan": [plan.per_device_batch, plan.accumulate_grad_batches, plan.decoder],
         "lr": [lr["source"], lr["value"]],
-        # an LR validation run: its multiple and budget; a batch-curve run: its multiple, budget
-        # and target (absent from a real training's digest)
-        **({"validation": params["validation"]} if params.get("validation") else {}),
-        **({"batch_curve": params["batch_curve"]} if params.get("batch_curve") else {}),
+        **({"run": run.learned()} if run else {}),  # absent from a real training's digest
     })
 
 

@@ -1,16 +1,17 @@
-"""After training, on global rank 0: one metrics table over every attempt, the curves, the best
-checkpoint as the stage's model, and train_summary.json (`finish`)."""
+"""After training, on global rank 0: one metrics table over every attempt, the best checkpoint
+as the stage's model, and train_summary.json (`finish`)."""
 
 from __future__ import annotations
 
 import logging
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from imgclf import plots, provenance
+from imgclf import artifacts, provenance
 from imgclf.index import BAD_FILES, read_bad_files
 from imgclf.train.callbacks import RunRecorder
 from imgclf.train.job import Job
@@ -67,10 +68,10 @@ def keep_best(checkpoint_callback, out_dir: Path) -> dict:
 def results(metrics, throughput) -> dict:
     """Final validation figures, top-1 per epoch and images/s over every attempt."""
     def last(column):
-        s = plots.per_epoch(metrics, column)
+        s = artifacts.per_epoch(metrics, column)
         return None if s is None else float(s.iloc[-1])
 
-    val = plots.per_epoch(metrics, "val/acc1")
+    val = artifacts.per_epoch(metrics, "val/acc1")
     ep = throughput.epochs
     images, secs = sum(e["images"] for e in ep), sum(e["seconds"] for e in ep)
     return {
@@ -123,7 +124,7 @@ def noise_scale(logged, metrics, small_batch: int, big_batch: int) -> dict:
         why = ("one rank has a single batch size, and B_simple needs two"
                if logged.hook is None else "no epoch gave a positive |G|^2 estimate")
         return {"logged": False, "why": why}
-    loss = plots.per_epoch(metrics, "train/loss_epoch")
+    loss = artifacts.per_epoch(metrics, "train/loss_epoch")
     for e in epochs:
         e["train_loss"] = None if loss is None or e["epoch"] not in loss.index \
             else float(loss[e["epoch"]])
@@ -147,21 +148,20 @@ def noise_scale(logged, metrics, small_batch: int, big_batch: int) -> dict:
     return out
 
 
-def write_outputs(out_dir: Path, csv_root: Path, epochs: int, total_steps: int) -> object:
-    """metrics.csv and curves.png from every attempt's CSV log; returns the metrics table."""
+def write_outputs(out_dir: Path, csv_root: Path) -> object:
+    """metrics.csv from every attempt's CSV log (the curves are drawn from it after training:
+    imgclf.figures.training); returns the metrics table."""
     metrics = merge_metrics(csv_root)
     with provenance.atomic_path(out_dir / "metrics.csv") as tmp:
         metrics.to_csv(tmp, index=False)
-    plots.train_curves(metrics, max(1, total_steps // epochs), out_dir / "curves.png")
     return metrics
 
 
 def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
            t_start: float, expected: dict | None = None, noise=None) -> dict:
-    """Rank 0 after fit: metrics, curves, best.ckpt and train_summary.json."""
+    """Rank 0 after fit: metrics, best.ckpt and train_summary.json."""
     total_steps = int(trainer.estimated_stepping_batches)
-    metrics = write_outputs(job.out_dir, Path(recorder.csv_logger.root_dir), job.epochs,
-                                  total_steps)
+    metrics = write_outputs(job.out_dir, Path(recorder.csv_logger.root_dir))
     summary = {
         "cluster": job.cluster["name"],
         "completed": trainer.global_step >= job.max_steps if job.max_steps
@@ -181,9 +181,8 @@ def finish(job: Job, trainer, datamodule, checkpoint, throughput, recorder,
         **run_shape(job, trainer),
         **schedule(job, total_steps),
         "lr": job.lr,
-        **({"validation": {**job.validation, "max_epochs": job.epochs,
-                           "max_steps": job.max_steps}} if job.validation else {}),
-        **({"batch_curve": job.batch_run} if job.batch_run else {}),
+        # a short run's shape, its experiment's own record among it, for its aggregate
+        **({"run": asdict(job.run)} if job.run else {}),
         "global_step": trainer.global_step,
         "model": job.params["model"],
         "recipe": job.recipe.as_dict(),
@@ -239,7 +238,7 @@ def run_shape(job: Job, trainer) -> dict:
 
 def schedule(job: Job, total_steps: int) -> dict:
     per_epoch = total_steps / job.epochs
-    warm = (job.batch_run or {}).get("warmup_steps")
+    warm = job.run.warmup_steps if job.run else None
     if warm is None:
         warm = warmup_steps(job.recipe.warmup_epochs, per_epoch, total_steps,
                             job.warmup_fraction)

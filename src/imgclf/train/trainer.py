@@ -43,20 +43,22 @@ def trainer_options(job: Job) -> dict:
         "default_root_dir": job.out_dir, "log_every_n_steps": int(t["log_every_n_steps"]),
         "limit_train_batches": t["limit_train_batches"],
         "limit_val_batches": t["limit_val_batches"],
-        **batch_run_options(job),
+        **run_options(job),
     }
 
 
-def batch_run_options(job: Job) -> dict:
-    """A batch-curve run steps on whole accumulation groups only (each epoch's batches cut to a
-    multiple of the accumulation) and validates every `eval_every` optimizer steps, counted
-    across epochs (Lightning counts batches: times the accumulation); other runs as `train.*`
-    says, validating once per epoch."""
-    if job.batch_run is None:
-        return {}
-    return {"limit_train_batches": job.batch_run["train_batches_per_epoch"],
-            "val_check_interval": job.batch_run["eval_every"] * job.plan.accumulate_grad_batches,
-            "check_val_every_n_epoch": None}
+def run_options(job: Job) -> dict:
+    """What a short run's shape says of its epochs and validations: its batches per epoch (cut
+    to whole accumulation groups), and a validation every `val_every_steps` optimizer steps,
+    counted across epochs (Lightning counts batches: times the accumulation); otherwise as
+    `train.*` says, validating once per epoch."""
+    run, out = job.run, {}
+    if run and run.limit_train_batches is not None:
+        out["limit_train_batches"] = run.limit_train_batches
+    if run and run.val_every_steps is not None:
+        out.update(val_check_interval=run.val_every_steps * job.plan.accumulate_grad_batches,
+                   check_val_every_n_epoch=None)
+    return out
 
 
 def build_trainer(job: Job, loggers: list, callbacks: list, show_bar: bool) -> L.Trainer:
