@@ -291,3 +291,26 @@ def test_the_onnxruntime_example_reproduces_the_predictions(exported, tmp_path):
     assert [t[1] for t in theirs] == [r["class_1"] for r in ours]
     for t, r in zip(theirs, ours):
         assert float(t[2]) == pytest.approx(float(r["prob_1"]), abs=2e-4)
+
+
+def test_the_graphs_export_and_agree_at_any_batch(tmp_path):
+    """export_graphs on a small ResNet without a Snakemake run, so that the declared minimum
+    versions (.ci/min-versions) run it too: torch.export and the ONNX exporter changed their
+    arguments between releases. Both files load and compute the network's logits at a batch
+    other than the one traced."""
+    import onnxruntime
+    import torchvision
+
+    from imgclf import export
+
+    model = torchvision.models.resnet18(num_classes=3).eval()
+    export.export_graphs(model, 32, tmp_path)
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(images)
+        program = torch.export.load(tmp_path / "model.pt2").module()(images)
+    session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"),
+                                           providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"images": images.numpy()})
+    assert torch.allclose(program, expected, atol=1e-4)
+    assert torch.allclose(torch.from_numpy(logits), expected, atol=1e-4)
