@@ -207,13 +207,6 @@ def test_an_environment_built_elsewhere_gets_the_build_its_hardware_needs(nvidia
         name: entry["gpu_model"] for name, entry in config["clusters"].items()}
 
 
-def test_run_sh_takes_its_choice_from_cuda_builds():
-    text = (REPO / "run.sh").read_text()
-    assert "index=$(PYTHONPATH=src python3 -m imgclf.cuda_builds)" in text
-    assert 'pip_install --index-url "$index" torch torchvision' in text
-    assert text.index("imgclf.cuda_builds") < text.index("pip_install -e '.[test]'")
-
-
 # --- the locks run.sh installs from -------------------------------------------------------------
 
 def lock_pins(path: Path) -> dict:
@@ -272,10 +265,11 @@ def test_the_lock_digest_follows_the_declared_dependencies_not_comments(tmp_path
     assert lock.made_from(pyproject, ceiling) != before
 
 
-def test_run_sh_installs_this_platforms_lock_with_its_hashes():
-    """run.sh takes the lock of the platform it runs on (none: the newest releases allowed,
-    said in a line), checks every file against the lock's hashes and installs the package
-    itself without dependencies, so nothing outside the lock is resolved."""
+def test_run_sh_takes_the_lock_of_the_platform_it_runs_on():
+    """What run.sh reads (`python -m imgclf.lock path`): this platform's lock, relative to the
+    checkout, and nothing where the platform has none; how it installs from it, the set-up
+    test below."""
+    import platform
     import subprocess
     import sys
 
@@ -287,10 +281,78 @@ def test_run_sh_installs_this_platforms_lock_with_its_hashes():
     res = subprocess.run([sys.executable, "-m", "imgclf.lock", "path"], capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
                          timeout=60)
-    assert res.stdout.strip() == str(lock.path_for().relative_to(REPO))
-    text = (REPO / "run.sh").read_text()
-    assert 'pip_install --require-hashes --no-deps -r "$lock"' in text
-    assert "pip_install --no-deps -e ." in text
+    expected = {("Linux", "x86_64"): "requirements/linux-x86_64.txt",
+                ("Linux", "aarch64"): "requirements/linux-aarch64.txt",
+                ("Darwin", "arm64"): "requirements/macos-arm64.txt"}
+    assert res.stdout.strip() == expected.get((platform.system(), platform.machine()), "")
+
+
+LOCK_TEXT = "pinned==1.0 \\\n    --hash=sha256:" + "0" * 64 + "\n"  # a lock, as the test writes it
+CU126 = "https://download.pytorch.org/whl/cu126"
+
+
+def set_up(tmp_path, lock: str, index: str):
+    """`./run.sh setup` in a folder of its own, with python3's answers for this platform's lock
+    (`lock`: a path, or empty for none) and CUDA build (`index`) stubbed, and the environment's
+    python a stub that records each pip command and installs nothing: (.venv, pip commands)."""
+    import subprocess
+    import sys
+
+    shutil.copy(REPO / "run.sh", tmp_path / "run.sh")
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements" / "test-lock.txt").write_text(LOCK_TEXT)
+    venv_python = tmp_path / "venv-python"
+    venv_python.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/calls\n'
+                           '[ "$1" = -c ] && echo 1\nexit 0\n')
+    (tmp_path / "bin").mkdir()
+    python3 = tmp_path / "bin" / "python3"
+    python3.write_text(
+        '#!/bin/sh\ncase "$1 $2" in\n'
+        f'"-m venv") mkdir -p .venv/bin && cp {venv_python} .venv/bin/python && exit 0 ;;\n'
+        f'"-m imgclf.lock") echo "{lock}"; exit 0 ;;\n'
+        f'"-m imgclf.cuda_builds") echo "{index}"; exit 0 ;;\n'
+        f'esac\nexec {sys.executable} "$@"\n')
+    for stub in (venv_python, python3):
+        stub.chmod(0o755)
+    res = subprocess.run(["bash", "run.sh", "setup"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+    assert res.returncode == 0, res.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    return tmp_path / ".venv", [c.removeprefix("-m pip install --quiet --no-compile ")
+                                for c in calls if c.startswith("-m pip install")]
+
+
+@pytest.mark.parametrize("lock, index, installs, recorded", [
+    ("requirements/test-lock.txt", "", ["--require-hashes --no-deps -r requirements/test-lock.txt",
+                                        "--no-deps -e ."], LOCK_TEXT),
+    ("requirements/test-lock.txt", CU126, [f"--index-url {CU126} torch torchvision",
+                                           "-e .[test]"], ""),
+    ("", "", ["-e .[test]"], ""),
+], ids=["lock", "cuda index", "no lock"])
+def test_the_set_up_installs_from_the_lock_or_the_cuda_index_and_records_which(
+        tmp_path, monkeypatch, lock, index, installs, recorded):
+    """From this platform's lock every file is checked against its hashes and the package
+    installs without dependencies, so nothing outside the lock is resolved; a GPU that needs
+    another CUDA build takes torch from its index and the rest unlocked, as does a platform
+    without a lock. The environment keeps the lock it came from (empty: none), and every
+    artifact's provenance names it by its digest."""
+    import hashlib
+    import sys
+
+    from imgclf import provenance
+
+    venv, pip = set_up(tmp_path, lock, index)
+    assert pip == ["--upgrade pip", *installs]
+    assert (venv / "installed-lock.txt").read_text() == recorded
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    provenance._installed.cache_clear()
+    try:
+        digest = provenance.environment()["lock"]
+    finally:
+        provenance._installed.cache_clear()
+    assert digest == (hashlib.sha256(recorded.encode()).hexdigest() if recorded else None)
 
 
 @pytest.fixture
@@ -414,6 +476,7 @@ def test_jobs_on_one_machine_claim_distinct_gpus_and_wait_for_a_free_one(nvidia_
     and a second run waits until the first ends (its locks go with its process), then gets the
     GPU it freed; each sees only its own GPUs, in CUDA_VISIBLE_DEVICES. Each job has a TMPDIR of
     its own, as Snakemake sets one per job from its `tmpdir` resource."""
+    import select
     import subprocess
     import sys
 
@@ -430,9 +493,8 @@ def test_jobs_on_one_machine_claim_distinct_gpus_and_wait_for_a_free_one(nvidia_
     def end(proc):
         proc.stdin.write("\n")
         proc.stdin.close()
-        ending = claimed(proc)["ending_at"]
+        assert "ending_at" in claimed(proc)
         assert proc.wait(timeout=30) == 0
-        return ending
 
     training = job(2)
     train = claimed(training)
@@ -444,17 +506,18 @@ def test_jobs_on_one_machine_claim_distinct_gpus_and_wait_for_a_free_one(nvidia_
         notes.append(second.stderr.readline())
         assert notes[-1], notes  # it ended
     assert "test job: waiting for 1 free GPU(s)" in notes[-1], notes  # none free: it waits
-    run1_ending = end(first)
+    held = select.select([second.stdout], [], [], 1.0)[0]  # a second of run 1 holding its GPU
+    end(first)
     run2 = claimed(second)
     end(second)
     end(training)
     uuids = [g["uuid"] for g in GPUS]
     assert train["claimed"] == uuids[:2] and train["visible"] == ",".join(uuids[:2])
     assert run1["claimed"] == [uuids[2]] and run1["visible"] == uuids[2]
-    # run 2 waited, then got the GPU run 1 freed, once run 1 was ending (events each process
-    # records, not a duration: run 1 holds its GPU until the test ends it)
+    # run 2 waited, claimed nothing while run 1 held the GPU, and got it once run 1 ended (the
+    # order the test saw, not clocks of two processes)
     assert run2["claimed"] == [uuids[2]] and run2["visible"] == uuids[2] and run2["waited"] > 0
-    assert run2["claimed_at"] >= run1_ending
+    assert held == [], "run 2 claimed a GPU while run 1 held it"
     assert train["waited"] == 0 and run1["waited"] == 0
 
 
@@ -485,6 +548,28 @@ def test_a_gpu_is_free_when_its_job_ends_though_the_job_forked(nvidia_smi, tmp_p
                          capture_output=True, text=True, timeout=15)
     assert nxt.returncode == 0, nxt.stderr
     assert json.loads(nxt.stdout.splitlines()[0])["waited"] == 0
+
+
+def test_the_lock_folder_and_its_files_are_writable_by_every_user_under_umask_022(
+        tmp_path, monkeypatch):
+    """The first user to claim a GPU makes the machine's lock folder and the GPU's lock file;
+    under the common umask 022 both must still let any other user create and lock theirs: a
+    sticky folder writable by all (1777) and a file readable and writable by all (666)."""
+    import stat
+
+    from imgclf import devices
+
+    monkeypatch.setattr(devices, "LOCK_DIR", tmp_path / "imgclf-gpu-locks")
+    before = os.umask(0o022)
+    try:
+        folder = devices.lock_dir()
+        fd = devices._open_lock(folder / "GPU-test.lock")
+    finally:
+        os.umask(before)
+    mode = os.fstat(fd).st_mode
+    os.close(fd)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o1777
+    assert stat.S_IMODE(mode) == 0o666
 
 
 # A second Unix user: nobody's uid, with CAP_DAC_READ_SEARCH so that it can read this machine's

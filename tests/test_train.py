@@ -243,8 +243,9 @@ def test_ranks_srun_started_wait_for_their_peers_as_long_as_configured(monkeypat
     res = subprocess.run([sys.executable, "-c", SRUN_RANK, "3"], env=env, capture_output=True,
                          text=True, timeout=600)
     seconds = res.stdout.split()[0]  # then the error's type
-    # torch may end its retries before the 3 s are out (2.4 did at 2 s); its default: 30 minutes
-    assert 1 <= float(seconds) < 30, res.stdout + res.stderr[-2000:]
+    # torch's retries end about the timeout, backing off (2.4 at 2 s, 2.11 at 4.5 s of 3 s; 12 s
+    # of 8 s): within 4x the 3 s, not its default 30 minutes nor any fixed minute
+    assert 1 <= float(seconds) < 12, res.stdout + res.stderr[-2000:]
 
 
 def test_the_training_timeout_and_device_reach_both_process_groups(monkeypatch):
