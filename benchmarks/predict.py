@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from imgclf import data, evaluate, export, hardware, predict, settings
+from imgclf import data, evaluate, hardware, model_folder, predict, settings
 
 
 def predict_round(model, dataset, args, device, k: int) -> float:
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (predict's choice)")
     args = parser.parse_args()
 
-    described = export.read(args.model)
+    described = model_folder.read(args.model)
     pre, classes = described["preprocessing"], described["classes"]
     files = predict.find_files([os.path.join(args.data, "val")])
     index = data.split_index(args.data, "val")
