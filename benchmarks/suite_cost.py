@@ -68,7 +68,9 @@ def pytest_runtest_protocol(item, nextitem):
     cpu0, wall0 = _cpu(), time.monotonic()
     yield
     _reap_ended()
-    doc = (getattr(item, "function", None).__doc__ or "").strip().split("\n\n")[0]
+    function = getattr(item, "function", None)
+    doc = (function.__doc__ or "").strip().split("\n\n")[0] or \
+        function.__name__.removeprefix("test_").replace("_", " ")  # a name says it
     record = {"test": item.nodeid, "file": item.nodeid.split("::")[0],
               "cpu_s": round(_cpu() - cpu0, 2), "wall_s": round(time.monotonic() - wall0, 2),
               "asserts": " ".join(doc.split())}

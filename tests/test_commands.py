@@ -61,6 +61,11 @@ HOW = {
     "./run.sh lock --upgrade": "it moves the locks to newer releases, which is a decision",
     ".venv/bin/python -m pytest -m gpu": "it runs the GPU tests, skipped without a GPU",
     ".venv/bin/python benchmarks/gpu.py": "it needs a CUDA GPU",
+    ".venv/bin/python benchmarks/suite_cost.py --ignore-glob='tests/test_slurm*.py'":
+        "it runs this suite, measured",
+    ".venv/bin/python tests/mutations.py --list": "it lists what the next command runs",
+    ".venv/bin/python tests/mutations.py NAME ...": "each mutation runs tests of this suite, "
+                                                      "for minutes",
     "snakemake results/export/local": "test_predict.py runs it, as read here, in a copy of the "
                                       "demo's complete run",
     "imgclf predict results/export/local photos/ --out predictions.csv --top-k 3":
