@@ -36,9 +36,13 @@ OUT_ENV = "IMGCLF_SUITE_COST_DIR"
 # --- the plugin, loaded into every pytest process (-p suite_cost) ----------------------------
 
 def _cpu() -> float:
-    """User + system seconds of this process and of every descendant it has waited for."""
+    """User + system seconds of this process and of every descendant it has waited for, and of
+    the Snakemake calls that ended in the forking process of tests/snakemake_fork.py (its
+    children, not this process's, until it ends with the worker)."""
     me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    forks = sys.modules.get("snakemake_fork")
+    return (me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+            + (forks.cpu_seconds if forks else 0.0))
 
 
 def _reap_ended() -> None:

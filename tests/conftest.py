@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import snakemake_fork
+
 # the throw-away Slurm cluster's fixtures (cluster, slurm_demo), for tests/test_slurm*.py
 pytest_plugins = ["slurm_cluster"]
 
@@ -53,6 +55,20 @@ def run_bounded(cmd: list[str], timeout: float, **popen) -> subprocess.Completed
     ones, then SIGKILL for what is left a minute later. subprocess.run's own timeout kills only
     the command, leaving its jobs to load the cores (or the test cluster) the tests after it
     need; a test over its time then fails alone instead of slowing every test after it."""
+    return bounded(subprocess.Popen(cmd, text=True, start_new_session=True,
+                                    preexec_fn=interruptible, **popen), cmd, timeout)
+
+
+def interruptible() -> None:
+    """SIGINT's default action in a command a test starts, which a shell leaves ignored in what
+    it starts in the background (`.ci/run`'s runs): Snakemake would not stop its jobs on it, and
+    a command past its time would wait a minute for SIGKILL."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def bounded(proc, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """run_bounded's wait for `proc`, started in a session of its own (a subprocess.Popen or a
+    snakemake_fork.Call)."""
     def signal_all(sig):
         try:
             os.killpg(proc.pid, sig)
@@ -74,7 +90,6 @@ def run_bounded(cmd: list[str], timeout: float, **popen) -> subprocess.Completed
             proc.wait()
             return "", ""
 
-    proc = subprocess.Popen(cmd, text=True, start_new_session=True, **popen)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -88,10 +103,11 @@ def run_bounded(cmd: list[str], timeout: float, **popen) -> subprocess.Completed
 
 
 def snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | None = None):
-    """Run Snakemake in `workdir`; return the CompletedProcess (text; stdout and stderr)."""
-    return run_bounded([SNAKEMAKE, "--cores", "2", *args], timeout, cwd=workdir,
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       env={**os.environ, **(env or {})})
+    """Run Snakemake in `workdir`; return the CompletedProcess (text; stdout and stderr). The
+    call runs in a fork of a process that imported Snakemake once (snakemake_fork.py)."""
+    cmd = [SNAKEMAKE, "--cores", "2", *args]
+    return bounded(snakemake_fork.Call(cmd, workdir, {**os.environ, **(env or {})}), cmd,
+                   timeout)
 
 
 def training_until_checkpoint(workdir: Path, *args: str, within_s: float = 300):
@@ -241,16 +257,35 @@ def demo_run_copy(tmp_path, demo_run) -> Path:
     return work
 
 
-def built_from_memory(tmp_path_factory, through_memory: Path, name: str, base_yaml: str,
-                      target: str, *more: str) -> Path:
-    """A clone of the memory solve's workflow (through_memory) in which `target` (and `more`)
-    was built with `base_yaml` as base.yaml."""
+# The LR range test and the noise scale that the LR validation's and the batch curve's runs
+# start from: one range test of 20 steps, a noise scale of 4 steps.
+LR_YAML = FAST_YAML + """\
+lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
+noise_scale: {steps: 4, accumulate: 2}
+"""
+
+
+def built_from(tmp_path_factory, base_run: Path, name: str, base_yaml: str, target: str,
+               *more: str) -> Path:
+    """A clone of `base_run` (a shared run's workflow) in which `target` (and `more`) was built
+    with `base_yaml` as base.yaml."""
     work = tmp_path_factory.mktemp(name) / "wf"
-    shutil.copytree(through_memory, work, symlinks=True)
+    shutil.copytree(base_run, work, symlinks=True)
     (work / "base.yaml").write_text(base_yaml)
     res = snakemake(work, target, *more, "--configfile", "base.yaml")
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     return work
+
+
+@pytest.fixture(scope="session")
+def through_lr(tmp_path_factory, through_memory) -> Path:
+    """through_memory, then the LR summary and the noise scale with LR_YAML (base.yaml)."""
+    def build(work: Path):
+        built = built_from(tmp_path_factory, through_memory, "through_lr", LR_YAML,
+                           "results/lr/local_summary.json", "results/noise/local.json")
+        shutil.copytree(built, work, symlinks=True)
+
+    return built_once(tmp_path_factory, "through_lr", build)
 
 
 PLANNED_HEADER = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
@@ -299,18 +334,17 @@ def resume_line(point: dict) -> str:
 
 # The fixtures that run Snakemake end to end (conftest.py's; slurm_cluster.py's demo through
 # profiles/slurm)
-RUNS_SNAKEMAKE = {"demo_root", "workflow_copy", "through_memory", "demo_run", "demo_run_copy",
-                  "slurm_demo"}
+RUNS_SNAKEMAKE = {"demo_root", "workflow_copy", "through_memory", "through_lr", "demo_run",
+                  "demo_run_copy", "slurm_demo"}
 
 
 # The test files that take longest, longest first (docs/benchmarks.md, "Test suite"). run.sh's
 # two pytest-xdist workers take whole files in collection order (--no-loadscope-reorder), so the
 # long files start early and the short ones even out the end; test_reproducibility.py first
 # builds demo_run while the other worker runs files that do not need it.
-LONGEST_FIRST = ("test_reproducibility.py", "test_lr.py", "test_commands.py",
-                 "test_data_flaws.py", "test_lr_validation.py", "test_batch_curve.py",
-                 "test_pipeline.py",
-                 "test_memory.py", "test_train.py")
+LONGEST_FIRST = ("test_reproducibility.py", "test_commands.py", "test_data_flaws.py",
+                 "test_lr_validation.py", "test_batch_curve.py", "test_lr.py",
+                 "test_pipeline.py", "test_memory.py", "test_train.py")
 
 
 def file_rank(item) -> int:

@@ -551,6 +551,28 @@ MUTATIONS = [
              "divided by the job's CPUs, not the node's, a job of one GPU asks for all of the "
              "node's memory (one CPU: 90 % of the node); caught where the sbatch lines are "
              "judged, beside test_hardware's unit test (memory-per-cpu-of-the-job)"),
+    # --- what the tests that read shared runs still catch --------------------------------------
+    Mutation("lr-summary-arithmetic-mean", "src/imgclf/lr/summary.py",
+             "suggested = float(np.exp(np.median(np.log(valid))))",
+             "suggested = float(np.mean(valid))",
+             ("tests/test_lr.py::test_lr_stage_aggregates_its_runs_and_draws_them",),
+             "the runs' suggestions agree in log space: their arithmetic mean leans to the "
+             "largest (read from the complete demo run's two LR runs)"),
+    Mutation("lr-runs-share-one-seed", "src/imgclf/lr/find.py",
+             'seed = cfg["seed"] + run',
+             'seed = cfg["seed"]',
+             ("tests/test_lr.py::test_lr_stage_aggregates_its_runs_and_draws_them",),
+             "repeated range tests of one seed repeat one curve: no spread to aggregate"),
+    Mutation("lr-runs-unseeded", "src/imgclf/one_device.py",
+             "torch.manual_seed(seed)",
+             'torch.manual_seed(__import__("os").getpid())',
+             ("tests/test_reproducibility.py::test_two_complete_runs_agree_on_the_cpu",),
+             "a range test whose initialisation is not its seed's differs from run to run"),
+    Mutation("training-unseeded", "src/imgclf/train/__init__.py",
+             'L.seed_everything(job.t["seed"], workers=True, verbose=False)',
+             'L.seed_everything(__import__("os").getpid(), workers=True, verbose=False)',
+             ("tests/test_reproducibility.py::test_two_complete_runs_agree_on_the_cpu",),
+             "a training seeded by anything but `train.seed` gives another model each run"),
 ]
 
 

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from conftest import FAST_YAML, built_from_memory, one_sentence, planned, snakemake
+from conftest import LR_YAML, built_from, one_sentence, planned, snakemake
 from imgclf import forecast as forecasting, noise_scale, settings
 from imgclf.batch import curve as batch_curve
 from imgclf.batch import grid as batch_grid
@@ -386,9 +386,7 @@ def test_without_the_curve_the_noise_scale_is_an_unvalidated_estimate_and_no_for
 
 # Three batches around the demo plan's 128 (2 ranks of 64): the plan's batch trains 6 steps and
 # validates every 2; 64 validates every 4 of its steps, 256 every step. Range tests of 20 steps.
-BASE_YAML = FAST_YAML + """\
-lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
-noise_scale: {steps: 4, accumulate: 2}
+BASE_YAML = LR_YAML + """\
 batch_curve: {multiples: [0.5, 1, 2], min_steps: 6, evaluations: 3, cap: 4}
 train: {log_every_n_steps: 1}
 """
@@ -398,9 +396,9 @@ RUNS = "results/batch/local"
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory, through_memory):
-    return built_from_memory(tmp_path_factory, through_memory, "batch_curve", BASE_YAML, TARGET,
-                             FIGURE)
+def measured(tmp_path_factory, through_lr):
+    return built_from(tmp_path_factory, through_lr, "batch_curve", BASE_YAML, TARGET,
+                      FIGURE)
 
 
 def read(work, path):

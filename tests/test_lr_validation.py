@@ -11,7 +11,7 @@ import math
 import pytest
 from PIL import Image
 
-from conftest import FAST_YAML, built_from_memory, one_sentence, planned
+from conftest import LR_YAML, built_from, one_sentence, planned
 from imgclf import artifacts, recipes, settings, slices
 from imgclf.figures import lr_validation as lr_validation_figure
 from imgclf.lr import grid as lr_grid
@@ -288,9 +288,7 @@ def test_lr_source_validation_takes_the_grids_best(tmp_path):
 # grid's best, one epoch of four batches. A grid of two always has its best at an edge, so the
 # edge step always adds a run: 0.001x below it (x1000 diverges or trails x1, as expected) or
 # 1e6x above it. Either way it is never 4, the multiple the propagation cases add.
-BASE_YAML = FAST_YAML + """\
-lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
-noise_scale: {steps: 4, accumulate: 2}
+BASE_YAML = LR_YAML + """\
 validate_lr: {multiples: [1, 1000], steps: 3, extend_steps: 1}
 train: {lr_source: validation, epochs: 1, limit_train_batches: 4, limit_val_batches: 2}
 """
@@ -299,11 +297,11 @@ VALIDATE = "results/lr/local/validate"
 
 
 @pytest.fixture(scope="module")
-def validated(tmp_path_factory, through_memory):
+def validated(tmp_path_factory, through_lr):
     """A clone of the memory solve's workflow in which training on the validated LR ran, and
     the validation's figure was drawn."""
-    return built_from_memory(tmp_path_factory, through_memory, "lr_validation", BASE_YAML, TARGET,
-                             "results/lr/local_validation.png")
+    return built_from(tmp_path_factory, through_lr, "lr_validation", BASE_YAML, TARGET,
+                      "results/lr/local_validation.png")
 
 
 def ranked(losses: dict) -> list[float]:
