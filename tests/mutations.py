@@ -555,9 +555,10 @@ MUTATIONS = [
     Mutation("lr-summary-arithmetic-mean", "src/imgclf/lr/summary.py",
              "suggested = float(np.exp(np.median(np.log(valid))))",
              "suggested = float(np.mean(valid))",
-             ("tests/test_lr.py::test_lr_stage_aggregates_its_runs_and_draws_them",),
+             ("tests/test_lr.py::test_aggregation_log_median_spread_and_excluded_run",),
              "the runs' suggestions agree in log space: their arithmetic mean leans to the "
-             "largest (read from the complete demo run's two LR runs)"),
+             "largest; the complete demo run's two LR runs may suggest the same LR, where mean "
+             "and median agree, so a unit test with three suggestions catches it"),
     Mutation("lr-runs-share-one-seed", "src/imgclf/lr/find.py",
              'seed = cfg["seed"] + run',
              'seed = cfg["seed"]',
@@ -573,6 +574,14 @@ MUTATIONS = [
              'L.seed_everything(__import__("os").getpid(), workers=True, verbose=False)',
              ("tests/test_reproducibility.py::test_two_complete_runs_agree_on_the_cpu",),
              "a training seeded by anything but `train.seed` gives another model each run"),
+    Mutation("forked-call-ignores-sigint", "tests/snakemake_fork.py",
+             "        signal.signal(signal.SIGINT, signal.default_int_handler)\n",
+             "        pass\n",
+             ("tests/test_foundation.py::"
+              "test_a_snakemake_call_past_its_time_stops_its_job_and_the_next_call_runs",),
+             "a forked call inherits the forking process's ignored SIGINT: Snakemake would not "
+             "stop its jobs on it, and a call past its time would wait a minute for SIGKILL "
+             "(test infrastructure)"),
 ]
 
 

@@ -340,6 +340,26 @@ def test_a_test_command_past_its_time_ends_with_every_process_it_started(tmp_pat
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_snakemake_call_past_its_time_stops_its_job_and_the_next_call_runs(tmp_path):
+    """The suite's Snakemake calls (forked from one import, tests/snakemake_fork.py) are bounded
+    as any command: one past its time fails its test by name, Snakemake stops the job it
+    started on SIGINT (not a minute later, at SIGKILL), and the worker's next call runs."""
+    import time
+
+    import psutil
+
+    (tmp_path / "Snakefile").write_text(
+        'rule slow:\n    output: "done"\n    shell: "echo $$ > job.pid; exec sleep 300"\n')
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"ran past 5 s and was stopped"):
+        snakemake(tmp_path, "done", timeout=5)
+    assert time.monotonic() - started < 35
+    pid = int((tmp_path / "job.pid").read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    res = snakemake(tmp_path, "--dry-run", "done", timeout=60)
+    assert res.returncode == 0 and "slow" in res.stdout, res.stdout + res.stderr
+
+
 def test_a_shared_build_that_failed_fails_its_other_users_at_once(tmp_path):
     """A run that several tests share (conftest.built_once) and that failed is not built again
     by each pytest-xdist worker waiting for it: they fail at once, with its reason."""
