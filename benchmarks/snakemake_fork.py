@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import snakemake_fork  # noqa: E402
+from conftest import copy_workflow  # noqa: E402
 
 COMMAND = [str(Path(sys.executable).parent / "snakemake"), "--cores", "2", "--dry-run"]
 
@@ -50,10 +50,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for part in ("Snakefile", "config", "workflow", "profiles", "src"):
-            copy = shutil.copytree if (REPO / part).is_dir() else shutil.copy2
-            copy(REPO / part, work / part)
+        work = copy_workflow(Path(tmp) / "wf")
         forked(work)  # the forking process starts and imports Snakemake: not counted
         times = {"started": [], "forked": []}
         for _ in range(args.repeats):
