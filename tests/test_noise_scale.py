@@ -138,13 +138,29 @@ def _rank(rank: int, store: str, results) -> None:
     torch.nn.functional.cross_entropy(model(x), y).backward()
     local, reduced = hook.take()
     after = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    results.put((rank, float(local), float(reduced), after.tolist()))
+    # the locked torch puts a model this small in one bucket whatever bucket_cap_mb says: the
+    # same gradient again, as one bucket per parameter, which the hook must sum
+    own = gradient(tiny_model(), x, y)
+    buckets = [Bucket(part) for part in own.split([p.numel() for p in model.parameters()])]
+    torch.futures.wait_all([hook.all_reduce(None, b) for b in buckets])
+    split = hook.take()
+    results.put((rank, float(local), float(reduced), after.tolist(), *map(float, split)))
     dist.destroy_process_group()
+
+
+class Bucket:
+    """What the hook reads of DDP's GradBucket: its flat gradient."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat = flat
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
 
 
 @pytest.mark.slow
 def test_the_hook_takes_each_ranks_norm_and_the_all_reduced_one(tmp_path):
-    """Many small buckets (the norms are summed over buckets); the gradients DDP leaves are the
+    """Each bucket's norms summed (a bucket per parameter); the gradients DDP leaves are the
     all-reduced ones, unchanged by the hook. The ranks meet through a file, not a port another
     process could take first; a rank that fails ends the other, and the test, at once."""
     got = run_ranks(_rank, tmp_path)
@@ -152,9 +168,11 @@ def test_the_hook_takes_each_ranks_norm_and_the_all_reduced_one(tmp_path):
     local = [gradient(model, *batch_of(r)) for r in range(2)]
     mean = (local[0] + local[1]) / 2
     for r in range(2):
-        sq_local, sq_reduced, after = got[r]
-        assert sq_local == pytest.approx(float(local[r].pow(2).sum()), rel=1e-5)
-        assert sq_reduced == pytest.approx(float(mean.pow(2).sum()), rel=1e-5)
+        sq_local, sq_reduced, after, *by_parameter = got[r]
+        for whole in (sq_local, by_parameter[0]):
+            assert whole == pytest.approx(float(local[r].pow(2).sum()), rel=1e-5)
+        for whole in (sq_reduced, by_parameter[1]):
+            assert whole == pytest.approx(float(mean.pow(2).sum()), rel=1e-5)
         assert after == pytest.approx(mean.tolist(), rel=1e-5, abs=1e-7)
 
 
