@@ -258,18 +258,22 @@ def demo_run_copy(tmp_path, demo_run) -> Path:
 
 
 # The LR range test and the noise scale that the LR validation's and the batch curve's runs
-# start from: one range test of 20 steps, a noise scale of 4 steps.
+# start from: one range test of 20 steps, a noise scale of 4 steps. Their runs train on one CPU
+# rank of 64 a batch, which reaches the recipe's global batch of 128 by accumulating 2: each run
+# is `imgclf train` with an experiment's settings, and the DDP of `imgclf train` (2 gloo ranks)
+# is what the complete run, the resume tests and test_train.py run; a second rank in each of
+# these 7 runs would add its imports.
 LR_YAML = FAST_YAML + """\
+clusters: {local: {cpu_processes: 1}}
+memory: {max_batch: 64}
 lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
 noise_scale: {steps: 4, accumulate: 2}
 """
 
 
-def built_from(tmp_path_factory, base_run: Path, name: str, base_yaml: str, target: str,
-               *more: str) -> Path:
-    """A clone of `base_run` (a shared run's workflow) in which `target` (and `more`) was built
-    with `base_yaml` as base.yaml."""
-    work = tmp_path_factory.mktemp(name) / "wf"
+def built_from(work: Path, base_run: Path, base_yaml: str, target: str, *more: str) -> Path:
+    """`work`: a clone of `base_run` (a shared run's workflow) in which `target` (and `more`)
+    was built with `base_yaml` as base.yaml."""
     shutil.copytree(base_run, work, symlinks=True)
     (work / "base.yaml").write_text(base_yaml)
     res = snakemake(work, target, *more, "--configfile", "base.yaml")
@@ -281,9 +285,8 @@ def built_from(tmp_path_factory, base_run: Path, name: str, base_yaml: str, targ
 def through_lr(tmp_path_factory, through_memory) -> Path:
     """through_memory, then the LR summary and the noise scale with LR_YAML (base.yaml)."""
     def build(work: Path):
-        built = built_from(tmp_path_factory, through_memory, "through_lr", LR_YAML,
-                           "results/lr/local_summary.json", "results/noise/local.json")
-        shutil.copytree(built, work, symlinks=True)
+        built_from(work, through_memory, LR_YAML, "results/lr/local_summary.json",
+                   "results/noise/local.json")
 
     return built_once(tmp_path_factory, "through_lr", build)
 

@@ -384,8 +384,9 @@ def test_without_the_curve_the_noise_scale_is_an_unvalidated_estimate_and_no_for
 
 # --- the stage for real ------------------------------------------------------------------------
 
-# Three batches around the demo plan's 128 (2 ranks of 64): the plan's batch trains 6 steps and
-# validates every 2; 64 validates every 4 of its steps, 256 every step. Range tests of 20 steps.
+# Three batches around the plan's 128 (LR_YAML: one CPU rank of 64, accumulating 2): the plan's
+# batch trains 6 steps and validates every 2; 64 validates every 4 of its steps, 256
+# (accumulation 4) every step. Range tests of 20 steps.
 BASE_YAML = LR_YAML + """\
 batch_curve: {multiples: [0.5, 1, 2], min_steps: 6, evaluations: 3, cap: 4}
 train: {log_every_n_steps: 1}
@@ -397,8 +398,8 @@ RUNS = "results/batch/local"
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, through_lr):
-    return built_from(tmp_path_factory, through_lr, "batch_curve", BASE_YAML, TARGET,
-                      FIGURE)
+    work = tmp_path_factory.mktemp("batch_curve") / "wf"
+    return built_from(work, through_lr, BASE_YAML, TARGET, FIGURE)
 
 
 def read(work, path):
@@ -407,16 +408,16 @@ def read(work, path):
 
 def test_each_batch_trains_at_the_lr_its_own_range_test_found(measured):
     memory = read(measured, "results/memory/local.json")
-    assert (memory["per_device_batch"], memory["devices_per_node"]) == (64, 2)
-    for name, device_batch, accumulate, global_batch in (("0.5", 32, 1, 64), ("1", 64, 1, 128),
-                                                         ("2", 64, 2, 256)):
+    assert (memory["per_device_batch"], memory["devices_per_node"]) == (64, 1)
+    for name, device_batch, accumulate, global_batch in (("0.5", 64, 1, 64), ("1", 64, 2, 128),
+                                                         ("2", 64, 4, 256)):
         lr = read(measured, f"{RUNS}/x{name}/lr.json")
         test = lr["range_test"]
         assert (test["batch_size"], test["effective_batch"]) == (device_batch, global_batch)
         assert lr["lr"] == pytest.approx(lr["suggested_lr"] * 4.0)  # lr_finder.multiple
         s = read(measured, f"{RUNS}/x{name}/train_summary.json")
         assert (s["per_device_batch"], s["accumulate_grad_batches"], s["global_batch"],
-                s["world_size"]) == (device_batch, accumulate, global_batch, 2)
+                s["world_size"]) == (device_batch, accumulate, global_batch, 1)
         assert s["lr"]["value"] == lr["lr"] and s["lr"]["source"] == "batch_curve"
         assert s["schedule"]["kind"] == "linear warm-up, then held constant, per optimizer step"
         frame = pd.read_csv(measured / f"{RUNS}/x{name}/metrics.csv").dropna(subset=["train/lr"])
@@ -425,8 +426,8 @@ def test_each_batch_trains_at_the_lr_its_own_range_test_found(measured):
         assert len(held) and held.tolist() == pytest.approx([lr["lr"]] * len(held))
         # epochs cut to whole accumulation groups (how Lightning steps on them:
         # test_lightning_steps_a_run_on_whole_accumulation_groups_only)
-        per_rank = 1438 // 2 // device_batch  # the demo's training images on 2 ranks
-        assert s["run"]["limit_train_batches"] == per_rank // accumulate * accumulate, name
+        batches = 1438 // device_batch  # the demo's training images, one rank
+        assert s["run"]["limit_train_batches"] == batches // accumulate * accumulate, name
 
 
 def test_the_curve_counts_steps_to_the_plan_batchs_loss(measured):

@@ -92,7 +92,7 @@ REDUCED = {"loader": {"decoders": ["pil"], "workers": [0], "prefetch_factors": [
                       "batch_size": 16, "seconds_per_config": 0.3, "windows": 2,
                       "warmup_batches": 1, "measure_baseline": False},
            "memory": {"max_batch": 32},
-           "lr_finder": {"runs": 2, "num_iter": 30, "skip_start": 3, "skip_end": 2},
+           "lr_finder": {"runs": 2, "num_iter": 20, "skip_start": 3, "skip_end": 2},
            "noise_scale": {"steps": 4, "accumulate": 2}, **yaml.safe_load(SMALL_MODEL)}
 # The hardware entries whose plans (results/memory/) a real run writes or reads, with the LR
 # summary it writes for one of them: the plan's global batch is its entry's devices times the

@@ -29,7 +29,7 @@ CHECK = "results/hydration/local.json"
 QUICK = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [pil], seconds_per_config: 0.3,
          windows: 2, measure_baseline: false}
-lr_finder: {runs: 1, num_iter: 30, skip_start: 3, skip_end: 2}
+lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
 train: {epochs: 1, lr_source: recipe, limit_val_batches: 2}
 noise_scale: {steps: 4, accumulate: 2}
 """ + SMALL_MODEL

@@ -300,8 +300,8 @@ VALIDATE = "results/lr/local/validate"
 def validated(tmp_path_factory, through_lr):
     """A clone of the memory solve's workflow in which training on the validated LR ran, and
     the validation's figure was drawn."""
-    return built_from(tmp_path_factory, through_lr, "lr_validation", BASE_YAML, TARGET,
-                      "results/lr/local_validation.png")
+    work = tmp_path_factory.mktemp("lr_validation") / "wf"
+    return built_from(work, through_lr, BASE_YAML, TARGET, "results/lr/local_validation.png")
 
 
 def ranked(losses: dict) -> list[float]:
@@ -328,7 +328,9 @@ def test_stage_writes_the_grid_verdict_and_plot(validated):
     for m in multiples:  # each a real training with the plan's batch and world, 3 steps
         run_dir = validated / VALIDATE / f"x{lr_grid.multiple_name(m)}"
         s = json.loads((run_dir / "train_summary.json").read_text())
-        assert s["world_size"] == 2 and s["per_device_batch"] == memory["per_device_batch"]
+        assert s["world_size"] == memory["devices_per_node"] == 1  # LR_YAML: one CPU rank
+        assert (s["per_device_batch"], s["accumulate_grad_batches"]) \
+            == (memory["per_device_batch"], memory["accumulate_grad_batches"]) == (64, 2)
         assert s["total_steps"] == 3 and s["completed"] and s["run"]["max_steps"] == 3
         assert s["run"]["record"] == {"multiple": m, "budget": {"steps": 3}}
         shape = json.loads((run_dir / "run.json").read_text())  # what training was handed
