@@ -582,6 +582,12 @@ MUTATIONS = [
              "a forked call inherits the forking process's ignored SIGINT: Snakemake would not "
              "stop its jobs on it, and a call past its time would wait a minute for SIGKILL "
              "(test infrastructure)"),
+    Mutation("lr-validation-run-without-accumulation", "src/imgclf/lr/shape.py",
+             "accumulate_grad_batches=plan.accumulate_grad_batches, epochs=run_epochs,",
+             "accumulate_grad_batches=1, epochs=run_epochs,",
+             ("tests/test_lr_validation.py::test_stage_writes_the_grid_verdict_and_plot",),
+             "an LR validation run must train at the plan's batch, its accumulation included: "
+             "at accumulation 1 it validates the LR at a smaller batch than training's"),
 ]
 
 
