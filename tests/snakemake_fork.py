@@ -1,16 +1,16 @@
 """Snakemake's command line, each call in a process forked from one that imported Snakemake once.
 
-A call of Snakemake pays about 1 s of CPU importing Snakemake, its plugins and their libraries
-before it reads the Snakefile, two thirds of a dry run's cost; the suite makes some 170 calls
-(docs/development.md, "What the suite costs"). Each pytest worker starts one process that
-imports Snakemake and then forks a child per call: the child takes the call's working folder,
-environment and arguments, starts a session of its own and runs `snakemake.cli.main`, the
-function the `snakemake` script runs; its output goes to files, and its exit status and CPU
-time come back. Nothing of Snakemake is replaced: every call is its command line in a process of
-its own, whose jobs are processes of their own as before. What a fresh interpreter decides at
-its start is the forking process's: the calls of one worker share its string-hash seed (set
-order while planning), and an environment variable read at start (PYTHONPROFILEIMPORTTIME) is
-not read again; a test of those starts `snakemake` itself."""
+A call of Snakemake pays about 1.2 s of CPU importing Snakemake, its plugins and their libraries
+and collecting the plugins before it reads the Snakefile, four fifths of a dry run's cost; the
+suite makes some 170 calls (docs/development.md, "What the suite costs"). Each pytest worker
+starts one process that imports Snakemake and then forks a child per call: the child takes the
+call's working folder, environment and arguments, starts a session of its own and runs
+`snakemake.cli.main`, the function the `snakemake` script runs; its output goes to files, and
+its exit status and CPU time come back. Nothing of Snakemake is replaced: every call is its
+command line in a process of its own, whose jobs are processes of their own as before. What a
+fresh interpreter decides at its start is the forking process's: the calls of one worker share
+its string-hash seed (set order while planning), and an environment variable read at start
+(PYTHONPROFILEIMPORTTIME) is not read again; a test of those starts `snakemake` itself."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ import json, os, signal, sys, tempfile, traceback
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 sys.path[0] = os.path.dirname(sys.executable)  # the snakemake script's folder, not `-c`'s ''
 import snakemake.api, snakemake.cli, snakemake.dag, snakemake.workflow
+# What every call does or imports before it reads the Snakefile, done once here: the argument
+# parser (it collects the executor, storage, report and logger plugins, each registry a
+# singleton), Snakemake's storage and config libraries, and the Snakefile's schema library
+snakemake.cli.get_argument_parser()
+import dpath, jsonschema, requests, smart_open, snakemake.storage, yte
 
 def child(request):
     code = 1
