@@ -62,13 +62,13 @@ def predict_cli(work: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, demo_run) -> Path:
-    """A copy of the demo run whose export the export rule made again."""
+    """A copy of the demo run, whose default target made the export: `snakemake
+    results/export/local`, as the docs type it, finds it complete."""
     work = Path(shutil.copytree(demo_run, tmp_path_factory.mktemp("predict") / "wf",
                                 symlinks=True))
-    shutil.rmtree(work / MODEL, ignore_errors=True)
     res = snakemake(work, MODEL)
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
-    assert "rule export_model:" in res.stdout + res.stderr
+    assert "Nothing to be done" in res.stdout + res.stderr
     return work
 
 
