@@ -2,9 +2,10 @@
 
 The commands are read from the bash blocks of README.md, docs/*.md and config/README.md, so the
 documents and the tests cannot drift apart, and HOW says how each one runs here, from a copy of
-the workflow with the demo data standing in for the user's: for real, as a dry run (`-n`, the
-one word added) where it needs GPUs or a cluster this machine lacks, or not here, with the
-reason. A documented command without a line in HOW fails, and so does a line for a command no
+the workflow with the demo data standing in for the user's: for real, in document order in one
+copy (a command may read what an earlier one wrote, as in the README), or for real in a copy of
+its own (a benchmark whose files would replace the demo's), as a dry run (`-n`, the one word
+added) where it needs GPUs or a cluster this machine lacks, or not here, with the reason. A documented command without a line in HOW fails, and so does a line for a command no
 document shows. A config file a command names (`--configfile imagenet.yaml`) is the documents'
 own: a yaml block that starts with `# imagenet.yaml`, or a comment `# r50.yaml: ...` in the
 command's block; its data set is the demo's."""
@@ -24,7 +25,7 @@ import yaml
 
 from conftest import BIN, REPO, SMALL_MODEL, copy_workflow
 
-REAL, DRY = "run", "dry run"
+REAL, APART, DRY = "run", "run in a copy of its own", "dry run"
 # Each documented command and how it runs here; a sentence is why it does not run here.
 HOW = {
     "./run.sh demo": "it installs the environment, then runs `snakemake --cores all`, the "
@@ -44,11 +45,13 @@ HOW = {
     "imgclf lr-summary --cluster g5": REAL,
     "imgclf provenance results/lr/g5_summary.json": REAL,
     "snakemake train --profile profiles/g5 --configfile imagenet.yaml": DRY,
+    # ResNet-50 plans for three entries: their g5 plan would replace the demo's, and the
+    # forecast after it would run the demo's LR stage again
     "for c in g5 p3 p4; do\n"
     "imgclf check-hydration --cluster $c --configfile r50.yaml\n"
     "imgclf benchmark-loader --cluster $c --configfile r50.yaml\n"
     "imgclf solve-memory --cluster $c --configfile r50.yaml\n"
-    "done": REAL,
+    "done": APART,
     "snakemake --profile profiles/slurm": DRY,
     "snakemake train --profile profiles/slurm --configfile p4x2.yaml --config cluster=p4x2": DRY,
     "tests/slurm/up.sh && ./run.sh test tests/test_slurm*.py -n 3; tests/slurm/down.sh":
@@ -171,9 +174,10 @@ def with_demo_data(text: str, demo: Path) -> str:
     return yaml.safe_dump(cfg)
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory, demo_root) -> Path:
-    work = copy_workflow(tmp_path_factory.mktemp("commands") / "wf")
+def commands_copy(folder: Path, demo_root: Path) -> Path:
+    """A workflow copy with the demo data, REDUCED in its config and the documents' config
+    files."""
+    work = copy_workflow(folder)
     demo = work / "results" / "demo" / "digits"
     shutil.copytree(demo_root, demo)
     cfg = work / "config" / "config.yaml"
@@ -185,15 +189,26 @@ def work(tmp_path_factory, demo_root) -> Path:
 
 
 @pytest.fixture(scope="module")
-def real_runs(work):
-    """The real runs in document order, each run once, when a test first needs it or a later
-    one (a command may read what an earlier one wrote, as in the README)."""
-    done: dict[str, subprocess.CompletedProcess] = {}
+def work(tmp_path_factory, demo_root) -> Path:
+    return commands_copy(tmp_path_factory.mktemp("commands") / "wf", demo_root)
 
-    def result(command: str) -> subprocess.CompletedProcess:
+
+@pytest.fixture(scope="module")
+def real_runs(work, tmp_path_factory, demo_root):
+    """The real runs, each run once, when a test first needs it or a later one: (the folder it
+    ran in, its CompletedProcess). Those in `work` run in document order (a command may read
+    what an earlier one wrote, as in the README); an APART one in a copy of its own."""
+    done: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def result(command: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if HOW[command] == APART:
+            if command not in done:
+                folder = commands_copy(tmp_path_factory.mktemp("apart") / "wf", demo_root)
+                done[command] = folder, run(folder, command)
+            return done[command]
         for c in dict.fromkeys(usage_commands()):
             if HOW.get(c) == REAL and c not in done:
-                done[c] = run(work, c)
+                done[c] = work, run(work, c)
             if c == command:
                 return done[c]
         raise KeyError(command)
@@ -245,18 +260,18 @@ def test_dry_run_as_typed(command, work):
     assert planned_target(command) in res.stdout, res.stdout[-3000:]
 
 
-@pytest.mark.parametrize("command", [c for c, how in HOW.items() if how == REAL],
+@pytest.mark.parametrize("command", [c for c, how in HOW.items() if how in (REAL, APART)],
                          ids=lambda command: command.replace("\n", "; "))
-def test_real_run_as_typed(command, work, real_runs):
-    res = real_runs(command)
+def test_real_run_as_typed(command, real_runs):
+    folder, res = real_runs(command)
     out = res.stdout + res.stderr
     assert res.returncode == 0, (command, out[-3000:])
     assert "Traceback" not in out
     for path in LEAVES.get(command, []):
-        assert (work / path).is_file(), (command, path)
+        assert (folder / path).is_file(), (command, path)
     entries, summarized = PLANS.get(command, ([], None))
     for entry in entries:
-        assert_batch_follows_the_plan(work, entry, summarized == entry)
+        assert_batch_follows_the_plan(folder, entry, summarized == entry)
 
 
 def assert_batch_follows_the_plan(work: Path, entry: str, summarized: bool) -> None:
@@ -278,7 +293,7 @@ def assert_batch_follows_the_plan(work: Path, entry: str, summarized: bool) -> N
 def test_a_plan_for_gpus_this_machine_lacks_gets_no_forecast(work, real_runs):
     """The g5 plan made on this machine (no A10G): the forecast says it is none for that
     hardware and gives only the input-bound rate."""
-    res = real_runs("snakemake results/forecast/g5.json")
+    _, res = real_runs("snakemake results/forecast/g5.json")
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     f = json.loads((work / "results/forecast/g5.json").read_text())
     assert not f["forecast_for_entry"] and f["total_s"] is None and "cost" not in f
