@@ -252,9 +252,10 @@ def demo_run_copy(tmp_path, demo_run) -> Path:
     """A copy of the complete run, its training removed, for a test that trains again: every
     stage before training already ran (a copied run folder keeps its state: files, their times
     and Snakemake's records)."""
-    work = Path(shutil.copytree(demo_run, tmp_path / "run", symlinks=True))
-    shutil.rmtree(work / "results/train/local")
-    return work
+    trained = str(demo_run / "results" / "train")
+    return Path(shutil.copytree(demo_run, tmp_path / "run", symlinks=True,
+                                ignore=lambda folder, names: ["local"] if folder == trained
+                                else []))
 
 
 # The LR range test and the noise scale that the LR validation's and the batch curve's runs
