@@ -144,8 +144,8 @@ def _rank(rank: int, store: str, results) -> None:
     buckets = [Bucket(part) for part in own.split([p.numel() for p in model.parameters()])]
     torch.futures.wait_all([hook.all_reduce(None, b) for b in buckets])
     split = hook.take()
-    results.put((rank, float(local), float(reduced), after.tolist(), *map(float, split)))
-    dist.destroy_process_group()
+    del model
+    end_rank(results, (rank, float(local), float(reduced), after.tolist(), *map(float, split)))
 
 
 class Bucket:
@@ -228,7 +228,24 @@ def _logging_rank(rank: int, store: str, results) -> None:
             log.on_before_optimizer_step(trainer, module, None)
             net.zero_grad()
     log.on_train_epoch_end(trainer, module)
-    results.put((rank, log.by_epoch))
+    del model, trainer
+    end_rank(results, (rank, log.by_epoch))
+
+
+def end_rank(results, item) -> None:
+    """Send `item` to the test, then destroy the process group, the rank's DDP model already
+    deleted by the caller. A gloo group that the DDP reducer frees last is destroyed with the
+    GIL held, joining a worker thread that may still wait for the GIL to free the hook's Python
+    callback (pytorch#56297): the rank then hangs, and so does the queue's thread that would
+    send `item`."""
+    import gc
+
+    import torch.distributed as dist
+
+    results.put(item)
+    results.close()
+    results.join_thread()
+    gc.collect()  # the reducer freed while the default group still holds the process group
     dist.destroy_process_group()
 
 
