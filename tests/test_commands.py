@@ -5,8 +5,9 @@ documents and the tests cannot drift apart, and HOW says how each one runs here,
 the workflow with the demo data standing in for the user's: for real, in document order in one
 copy (a command may read what an earlier one wrote, as in the README), or for real in a copy of
 its own (a benchmark whose files would replace the demo's), as a dry run (`-n`, the one word
-added) where it needs GPUs or a cluster this machine lacks, or not here, with the reason. A documented command without a line in HOW fails, and so does a line for a command no
-document shows. A config file a command names (`--configfile imagenet.yaml`) is the documents'
+added) where it needs GPUs or a cluster this machine lacks, or not here, with the reason. A
+documented command without a line in HOW fails, and so does a line for a command no document
+shows. A config file a command names (`--configfile imagenet.yaml`) is the documents'
 own: a yaml block that starts with `# imagenet.yaml`, or a comment `# r50.yaml: ...` in the
 command's block; its data set is the demo's."""
 
