@@ -4,6 +4,7 @@ which tests run Snakemake for real."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shlex
@@ -211,13 +212,13 @@ def through_memory(tmp_path_factory, demo_root) -> Path:
 
 
 # A complete run, cheaper: a one-point loader grid (which also pins the timed loader choice, one
-# of the settings that make two runs agree), 2 LR runs of 40 steps, a noise scale from 6 steps,
-# 2 epochs, the small model.
+# of the settings that make two runs agree), 2 LR runs of 20 steps (15 read), a noise scale from
+# 10 steps, 2 epochs, the small model.
 REDUCED = {
     **yaml.safe_load(SMALL_MODEL),
     "loader": {"decoders": ["pil"], "workers": [0], "measure_baseline": False,
                "seconds_per_config": 0.3, "windows": 2, "warmup_batches": 1},
-    "lr_finder": {"runs": 2, "num_iter": 40},
+    "lr_finder": {"runs": 2, "num_iter": 20, "skip_start": 3, "skip_end": 2},
     "noise_scale": {"accumulate": 2},  # steps: auto, the floor of 10 on 2 epochs
     "train": {"epochs": 2},
 }
@@ -238,11 +239,13 @@ def reduced_copy(dest: Path) -> Path:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
     """The demo workflow after one complete run from scratch (demo data included), with
-    REDUCED. Tests that only read or plan share it; a test that changes it puts it back."""
+    REDUCED, and what Snakemake and its jobs printed (snakemake_output.txt). Tests that only
+    read or plan share it; a test that changes it puts it back."""
     def build(work: Path):
         reduced_copy(work)
         res = snakemake(work, timeout=RUN_TIMEOUT)
         assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+        (work / "snakemake_output.txt").write_text(res.stdout + res.stderr)
 
     return built_once(tmp_path_factory, "demo_run", build)
 
@@ -311,6 +314,15 @@ def planned(work: Path, target: str, configfile: str, edit: str | None) -> set[s
             which = re.search(r"(?:multiple|step)=([\d.e+-]+)", wc)
             found.add(m.group(1) + (f"[{which.group(1)}]" if which else ""))
     return found
+
+
+# what differs between two runs of the same settings: when and how fast each ran
+VOLATILE = {"provenance", "wall_time_s", "images_per_s", "seconds", "timing"}
+
+
+def stable(path: Path) -> dict:
+    """An artifact's JSON without VOLATILE: what two runs of the same settings must agree on."""
+    return {k: v for k, v in json.loads(path.read_text()).items() if k not in VOLATILE}
 
 
 def one_sentence(text: str) -> bool:

@@ -89,14 +89,14 @@ LEAVES = {
        if c.startswith("for c in")},
 }
 # A cheaper loader grid, per-device batches of at most 32 (the GPU entries' plans would otherwise
-# run the LR range tests on this CPU at their GPUs' batch), fewer and shorter LR range tests (a
-# command that names --runs runs that many), a shorter noise scale and the small model in the
-# copy's config: the commands stay as typed.
+# run the LR range tests on this CPU at their GPUs' batch), one short LR range test (a command
+# that names --runs runs that many), a shorter noise scale and the small model in the copy's
+# config: the commands stay as typed.
 REDUCED = {"loader": {"decoders": ["pil"], "workers": [0], "prefetch_factors": [2],
                       "batch_size": 16, "seconds_per_config": 0.3, "windows": 2,
                       "warmup_batches": 1, "measure_baseline": False},
            "memory": {"max_batch": 32},
-           "lr_finder": {"runs": 2, "num_iter": 20, "skip_start": 3, "skip_end": 2},
+           "lr_finder": {"runs": 1, "num_iter": 20, "skip_start": 3, "skip_end": 2},
            "noise_scale": {"steps": 4, "accumulate": 2}, **yaml.safe_load(SMALL_MODEL)}
 # The hardware entries whose plans (results/memory/) a real run writes or reads, with the LR
 # summary it writes for one of them: the plan's global batch is its entry's devices times the

@@ -261,7 +261,7 @@ def test_lr_stage_aggregates_its_runs_and_draws_them(demo_run):
     """The LR stage of the complete demo run (conftest.REDUCED: two runs): each run at the
     memory plan's batch with its own seed, the summary their geometric median scaled to the
     plan's global batch, and the figure. That the same seed gives the identical history is
-    test_reproducibility.py's test_two_complete_runs_agree_on_the_cpu."""
+    test_reproducibility.py's test_two_runs_agree_up_to_training_on_the_cpu."""
     runs = [json.loads((demo_run / f"results/lr/local/run{i}.json").read_text())
             for i in range(2)]
     memory = json.loads((demo_run / "results/memory/local.json").read_text())

@@ -1,22 +1,28 @@
-"""The training stage through Snakemake: a killed training job resumes on the next run, a
-finished one is not retrained, and another training starts fresh with the old one set aside.
-Each test trains in a copy of the complete demo run (conftest.py's demo_run), its training
-removed: the stages before it ran there already."""
+"""The training stage through Snakemake: the complete demo run's training (DDP over two gloo
+processes through the `imgclf` entry point), a killed training job that resumes on the next run,
+and another training that starts fresh with the old one set aside. A test that trains does so in
+a copy of the complete demo run (conftest.py's demo_run), its training removed: the stages before
+it ran there already."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 
 import pandas as pd
 import psutil
+import torch
 
-from conftest import resume_line, resume_point, snakemake, training_until_checkpoint
+from conftest import (resume_line, resume_point, snakemake, stable,
+                      training_until_checkpoint)
 
 # the complete run's 2 epochs (conftest.REDUCED), so that only training runs again: killed in its
-# second epoch, after the first wrote its checkpoint
+# second epoch, after the first wrote its checkpoint; another seed than the complete run's, so that
+# the complete run's own training, after it, is another training
 RESUME = """
-train: {epochs: 2, lr_source: recipe}
+train: {epochs: 2, lr_source: recipe, seed: 1}
 """
 
 
@@ -33,7 +39,49 @@ def training_processes(root: psutil.Process) -> list[psutil.Process]:
     return found
 
 
-def test_killed_training_resumes_from_last_checkpoint(demo_run_copy):
+def test_the_complete_runs_training_is_ddp_over_two_processes_through_the_cli(demo_run):
+    """`imgclf train` as the rule runs it on the CPU: Lightning re-executes the entry point for
+    rank 1; the run records world size 2 from two distinct processes, rank 0's log is kept whole
+    with plain progress lines, and the files it writes are readable by the group (the umask, not
+    0600)."""
+    train = demo_run / "results/train/local"
+    s = json.loads((train / "train_summary.json").read_text())
+    assert s["world_size"] == 2 and s["strategy"] == "ddp (gloo)"
+    assert s["train_sampler"] == "ResumableSampler"  # Lightning's DistributedSampler, resumable
+    metrics = pd.read_csv(train / "metrics.csv")
+    assert sorted(c for c in metrics.columns if c.startswith("train/acc")
+                  and metrics[c].notna().any()) == ["train/acc1", "train/acc1_epoch",
+                                                     "train/acc5", "train/acc5_epoch"]
+    assert metrics.dropna(subset=["val/acc1"])["epoch"].tolist() == [0, 1]
+    pids = {r["pid"] for r in s["ranks"]}
+    assert len(pids) == 2 and sorted(r["rank"] for r in s["ranks"]) == [0, 1]
+    assert s["completed"] and s["epochs_run"] == 2 and s["attempts"] == 1
+    lr = json.loads((demo_run / "results/lr/local_summary.json").read_text())
+    assert s["lr"]["source"] == "lr_finder" and s["lr"]["value"] == lr["training_lr"]
+    # the demo's 1,438 training images in global batches of 128, the last one short
+    assert s["global_batch"] == 128 and s["steps_per_epoch"] == 11 and s["total_steps"] == 22
+    assert s["resumed_from"] is None and s["provenance"]["inputs"]
+    assert s["images_per_s"] > 0 and s["best"]["epoch"] in (0, 1)
+    names = sorted(p.name for p in (train / "checkpoints").glob("*.ckpt"))
+    assert "last.ckpt" in names
+    assert all(re.fullmatch(r"epoch=\d+-val_acc1=\d\.\d{4}\.ckpt", n) for n in names
+               if n != "last.ckpt")
+    best = torch.load(train / "best.ckpt", map_location="cpu", weights_only=True)
+    assert best["epoch"] == s["best"]["epoch"]
+    text = (demo_run / "logs/train/local.log").read_text()
+    assert "starting fresh" in text and f"LR {s['lr']['value']:.5g} from lr_finder" in text
+    assert "epoch 2/2, val/acc1" in text  # plain progress lines, not a redrawn bar
+    assert "\r" not in text
+    # Lightning's advice on unsynced epoch metrics, which either rank would print
+    assert "sync_dist" not in (demo_run / "snakemake_output.txt").read_text()
+    umask = os.umask(0)
+    os.umask(umask)  # the suite's, which the run's jobs inherited
+    for written in (train / "train_summary.json", train / "best.ckpt",
+                    train / "checkpoints/last.ckpt"):
+        assert written.stat().st_mode & 0o777 == 0o666 & ~umask, written
+
+
+def test_killed_training_resumes_from_last_checkpoint(demo_run, demo_run_copy):
     work = demo_run_copy
     (work / "resume.yaml").write_text(RESUME)
     target = ["results/train/local/best.ckpt", "--configfile", "resume.yaml"]
@@ -62,13 +110,20 @@ def test_killed_training_resumes_from_last_checkpoint(demo_run_copy):
     assert epochs == [0, 1]  # every epoch validated exactly once
     assert [e["epoch"] for e in summary["images_per_s_by_epoch"]] == [0, 1]
 
-    # Another training (a new seed): its digest differs, so it starts fresh, says why, and
-    # keeps the previous checkpoints in superseded/ instead of resuming from them.
-    (work / "resume.yaml").write_text(RESUME.replace("lr_source: recipe",
-                                                     "lr_source: recipe, seed: 1"))
-    other = snakemake(work, *target)
+    # Another training, the complete run's own (its seed and settings): its digest differs, so
+    # it starts fresh, says why, and keeps the previous checkpoints in superseded/ instead of
+    # resuming from them; from the same inputs it trains and evaluates what the complete run did,
+    # to the bit (the stages before training agree from scratch: test_reproducibility.py).
+    other = snakemake(work, "results/eval/local.json")
     assert other.returncode == 0, other.stdout[-3000:] + other.stderr[-3000:]
     fresh = json.loads((work / "results/train/local/train_summary.json").read_text())
     assert fresh["resumed_from"] is None and "another training" in fresh["resume_note"]
-    assert fresh["attempts"] == 1 and fresh["seed"] == 1
+    assert fresh["attempts"] == 1 and fresh["seed"] == 0
     assert (work / "results/train/local/superseded/checkpoints/last.ckpt").is_file()
+    before = json.loads((demo_run / "results/train/local/train_summary.json").read_text())
+    assert fresh["val_acc1_by_epoch"] == before["val_acc1_by_epoch"]
+    assert fresh["train_digest"] == before["train_digest"]
+    e1, e2 = (stable(w / "results/eval/local.json") for w in (demo_run, work))
+    assert (e1["top1"], e1["loss"], e1["confusion_matrix"]) == \
+        (e2["top1"], e2["loss"], e2["confusion_matrix"])
+    assert e1 == e2
