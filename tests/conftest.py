@@ -212,13 +212,14 @@ def through_memory(tmp_path_factory, demo_root) -> Path:
 
 
 # A complete run, cheaper: a one-point loader grid (which also pins the timed loader choice, one
-# of the settings that make two runs agree), 2 LR runs of 20 steps (15 read), a noise scale from
-# 10 steps, 2 epochs, the small model.
+# of the settings that make two runs agree), one LR run of 20 steps (15 read; how the stage
+# combines several: test_lr.py's runs on stand-in GPUs), a noise scale from 10 steps, 2 epochs,
+# the small model.
 REDUCED = {
     **yaml.safe_load(SMALL_MODEL),
     "loader": {"decoders": ["pil"], "workers": [0], "measure_baseline": False,
                "seconds_per_config": 0.3, "windows": 2, "warmup_batches": 1},
-    "lr_finder": {"runs": 2, "num_iter": 20, "skip_start": 3, "skip_end": 2},
+    "lr_finder": {"runs": 1, "num_iter": 20, "skip_start": 3, "skip_end": 2},
     "noise_scale": {"accumulate": 2},  # steps: auto, the floor of 10 on 2 epochs
     "train": {"epochs": 2},
 }

@@ -557,12 +557,12 @@ MUTATIONS = [
              "suggested = float(np.mean(valid))",
              ("tests/test_lr.py::test_aggregation_log_median_spread_and_excluded_run",),
              "the runs' suggestions agree in log space: their arithmetic mean leans to the "
-             "largest; the complete demo run's two LR runs may suggest the same LR, where mean "
-             "and median agree, so a unit test with three suggestions catches it"),
+             "largest; a real stage's runs may suggest the same LR, where mean and median "
+             "agree, so a unit test with three suggestions catches it"),
     Mutation("lr-runs-share-one-seed", "src/imgclf/lr/find.py",
              'seed = cfg["seed"] + run',
              'seed = cfg["seed"]',
-             ("tests/test_lr.py::test_lr_stage_aggregates_its_runs_and_draws_them",),
+             ("tests/test_lr.py::test_lr_stage_aggregates_its_runs",),
              "repeated range tests of one seed repeat one curve: no spread to aggregate"),
     Mutation("lr-runs-unseeded", "src/imgclf/one_device.py",
              "torch.manual_seed(seed)",

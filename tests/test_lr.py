@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import uuid
 from datetime import datetime
@@ -18,7 +19,7 @@ import torch
 import yaml
 from PIL import Image
 
-from conftest import REDUCED, REPO, SMALL_MODEL, snakemake
+from conftest import REPO, SMALL_MODEL, copy_workflow, snakemake
 from imgclf import settings, slices
 from imgclf.lr import find as lr_find
 from imgclf.lr import scaling as lr_scaling
@@ -257,24 +258,24 @@ lr_finder: {num_iter: 30, skip_start: 3, skip_end: 2}
 """ + SMALL_MODEL
 
 
-def test_lr_stage_aggregates_its_runs_and_draws_them(demo_run):
-    """The LR stage of the complete demo run (conftest.REDUCED: two runs): each run at the
-    memory plan's batch with its own seed, the summary their geometric median scaled to the
-    plan's global batch, and the figure. That the same seed gives the identical history is
+def test_lr_stage_aggregates_its_runs(g5_on_two_gpus):
+    """The README's LR stage of a GPU entry, its 3 runs on 2 stand-in GPUs (g5_on_two_gpus):
+    each run at the memory plan's batch with its own seed, the summary their geometric median
+    scaled to the plan's global batch. That the same seed gives the identical history is
     test_reproducibility.py's test_two_runs_agree_up_to_training_on_the_cpu."""
-    runs = [json.loads((demo_run / f"results/lr/local/run{i}.json").read_text())
-            for i in range(2)]
-    memory = json.loads((demo_run / "results/memory/local.json").read_text())
-    assert [r["seed"] for r in runs] == [0, 1]
+    work, res, cfg = g5_on_two_gpus
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    runs = [json.loads((work / f"results/lr/g5/run{i}.json").read_text()) for i in range(3)]
+    memory = json.loads((work / "results/memory/g5.json").read_text())
+    assert [r["seed"] for r in runs] == [0, 1, 2]
     assert all(r["batch_size"] == memory["per_device_batch"] for r in runs)
-    assert runs[0]["history"]["loss"] != runs[1]["history"]["loss"]  # seeds differ
-    summary = json.loads((demo_run / "results/lr/local_summary.json").read_text())
+    assert len({tuple(r["history"]["loss"]) for r in runs}) == 3  # seeds differ
+    summary = json.loads((work / "results/lr/g5_summary.json").read_text())
     # each run read from its file with the stage's settings; the suggested LR their geometric
     # median over the runs not excluded, the chosen LR `lr_finder.multiple` times it
-    cfg = {**settings.load()["lr_finder"], **REDUCED["lr_finder"]}
     assert summary["runs"] == [lr_summary.read_curve(r, cfg) for r in runs]
     valid = [r["suggestions"][summary["method"]] for r in summary["runs"] if not r["excluded"]]
-    assert summary["valid_runs"] == len(valid) == 2
+    assert summary["valid_runs"] == len(valid) >= 2
     assert summary["suggested_lr"] == pytest.approx(math.exp(statistics.median(
         math.log(v) for v in valid)))
     assert summary["chosen_lr"] == pytest.approx(cfg["multiple"] * summary["suggested_lr"])
@@ -282,6 +283,10 @@ def test_lr_stage_aggregates_its_runs_and_draws_them(demo_run):
     assert summary["scaling"] == "linear"  # auto, for the demo recipe's SGD
     assert summary["training_lr"] == pytest.approx(
         summary["chosen_lr"] * memory["global_batch"] / runs[0]["effective_batch"])
+
+
+def test_lr_stage_draws_its_runs(demo_run):
+    """The LR stage's figure in the complete demo run (conftest.REDUCED: one run)."""
     png = demo_run / "results/lr/local.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(png) as img:
@@ -362,23 +367,41 @@ def test_cpu_lr_runs_share_the_cores_and_leave_none_idle(workflow_copy, runs, co
     assert [planned[r] for r in range(runs)] == threads
 
 
-def test_lr_runs_take_one_gpu_each_and_never_more_than_there_are(workflow_copy, tmp_path):
-    """The README's `snakemake results/lr/g5_summary.json` on a machine with 2 GPUs (the
-    stand-in nvidia-smi) and 3 runs: with no `gpu` pool given, the workflow takes the 2 GPUs it
-    detects, so Snakemake runs at most 2 at once although 4 cores are free, and each run claims
-    a GPU of its own (it never had to wait for one)."""
-    gpus = tmp_path / "gpus.json"  # GPUs of this test's own: their locks are no one else's
+# short runs of at most 32 images per step: the GPUs they claim and how the stage combines
+# its runs are the point, not the A10G's batch or the curve (10 steps, 7 read)
+G5_YAML = FAST.replace("num_iter: 30, skip_start: 3, skip_end: 2",
+                       "runs: 3, num_iter: 10, skip_start: 2, skip_end: 1") \
+    + "memory: {mode: estimate, max_batch: 32}\n"
+
+
+@pytest.fixture(scope="module")
+def g5_on_two_gpus(tmp_path_factory, demo_root):
+    """The README's `snakemake results/lr/g5_summary.json` with 4 cores on a machine with 2
+    GPUs (the stand-in nvidia-smi, GPUs of this run's own: their locks are no one else's) and
+    3 runs: (the workflow copy, its output, the LR finder's settings)."""
+    base = tmp_path_factory.mktemp("g5_on_two_gpus")
+    work = copy_workflow(base / "wf")
+    shutil.copytree(demo_root, work / "results" / "demo" / "digits")
+    gpus = base / "gpus.json"
     run = uuid.uuid4().hex[:12]
     gpus.write_text(json.dumps([{"name": "NVIDIA L4", "mib": 23034, "compute_cap": "8.9",
                                  "uuid": f"GPU-0000000{i}-1111-2222-3333-{run}"}
                                 for i in (1, 2)]))
-    # runs of at most 32 images per step: the GPUs they claim are the point, not the A10G's batch
-    (workflow_copy / "fast.yaml").write_text(FAST.replace("num_iter: 30", "runs: 3, num_iter: 20")
-                                             + "memory: {mode: estimate, max_batch: 32}\n")
+    (work / "fast.yaml").write_text(G5_YAML)
     env = {"PATH": f"{REPO / 'tests' / 'stubs'}:{os.environ['PATH']}",
            "NVIDIA_SMI_STUB": str(gpus)}
-    res = snakemake(workflow_copy, "--cores", "4", "results/lr/g5_summary.json",
+    res = snakemake(work, "--cores", "4", "results/lr/g5_summary.json",
                     "--configfile", "fast.yaml", env=env)
+    cfg = {**settings.load()["lr_finder"], **yaml.safe_load(G5_YAML)["lr_finder"]}
+    return work, res, cfg
+
+
+def test_lr_runs_take_one_gpu_each_and_never_more_than_there_are(g5_on_two_gpus):
+    """The README's `snakemake results/lr/g5_summary.json` on a machine with 2 GPUs (the
+    stand-in nvidia-smi) and 3 runs: with no `gpu` pool given, the workflow takes the 2 GPUs it
+    detects, so Snakemake runs at most 2 at once although 4 cores are free, and each run claims
+    a GPU of its own (it never had to wait for one)."""
+    workflow_copy, res, _ = g5_on_two_gpus
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert "Provided cores: 4" in out

@@ -69,7 +69,7 @@ def table(name: str) -> str:
     return f"report_table[table={name}]"
 
 
-# The jobs downstream of each stage, inclusive (the DAG of Snakefile; 2 LR runs in REDUCED).
+# The jobs downstream of each stage, inclusive (the DAG of Snakefile; REDUCED's LR runs).
 # Each stage's figure is drawn by a rule of its own from the stage's files (plot_*): a stage
 # that reruns redraws it; a figure's edit redraws it alone.
 # the export reads the evaluation's figures and the trained weights
@@ -84,7 +84,8 @@ SETTINGS = {"train_settings"} | TRAIN
 NOISE = {"noise_scale", "plot_noise", table("noise")} | FORECAST
 # the LR figure draws the runs' curves beside the summary's choice
 LR_SUMMARY = {"summarize_lr", "plot_lr", table("lr")} | TRAIN | NOISE
-LR = {"lr_find[run=0]", "lr_find[run=1]"} | LR_SUMMARY | FORECAST
+LR_RUNS = range(REDUCED["lr_finder"]["runs"])
+LR = {f"lr_find[run={i}]" for i in LR_RUNS} | LR_SUMMARY | FORECAST
 MEMORY = {"solve_memory", "plot_memory", table("memory")} | LR
 LOADER = {"benchmark_loader", "plot_loader", table("loader")} | MEMORY
 # the optional LR validation, default grid and its first edge step (a checkpoint: what it adds
@@ -238,8 +239,8 @@ def test_same_config_in_another_key_order_plans_nothing(demo_run):
 
 # --- the hydration hand-off -------------------------------------------------------------------
 
-DOWNSTREAM = ("results/loader/local.json", "results/memory/local.json",
-              "results/lr/local/run0.json", "results/lr/local/run1.json",
+RUN_FILES = [f"results/lr/local/run{i}.json" for i in LR_RUNS]
+DOWNSTREAM = ("results/loader/local.json", "results/memory/local.json", *RUN_FILES,
               "results/lr/local_summary.json", "results/train/local/best.ckpt",
               "results/train/local/train_summary.json", "results/eval/local.json",
               *(f"results/report/local/{t}.html" for t in ("loader", "memory", "lr", "eval")))
@@ -306,11 +307,9 @@ DECLARED_INPUTS = {
     "results/loader/local.json": ["results/hydration/local.verdict.json"],
     "results/memory/local.json": ["results/loader/local.json"],
     "results/lr/local/run0.json": ["results/memory/local.json"],
-    "results/lr/local_summary.json": ["results/lr/local/run0.json", "results/lr/local/run1.json",
-                                      "results/memory/local.json"],
+    "results/lr/local_summary.json": [*RUN_FILES, "results/memory/local.json"],
     "results/noise/local.json": ["results/memory/local.json", "results/lr/local_summary.json"],
-    "results/forecast/local.json": ["results/lr/local/run0.json", "results/lr/local/run1.json",
-                                    "results/lr/local_summary.json",
+    "results/forecast/local.json": [*RUN_FILES, "results/lr/local_summary.json",
                                     "results/loader/local.json", "results/memory/local.json",
                                     "results/noise/local.json",
                                     "results/hydration/local.train.tsv",
@@ -441,8 +440,8 @@ def test_two_runs_agree_up_to_training_on_the_cpu(demo_run, tmp_path):
     for key in ("per_device_batch", "accumulate_grad_batches", "global_batch", "num_workers",
                 "decoder", "breakdown"):
         assert stable(one / "memory/local.json")[key] == stable(two / "memory/local.json")[key]
-    for run in ("run0", "run1"):
-        a, b = stable(one / f"lr/local/{run}.json"), stable(two / f"lr/local/{run}.json")
+    for run in RUN_FILES:
+        a, b = stable(demo_run / run), stable(second / run)
         assert a["history"] == b["history"], run
         assert a == b, run
     assert stable(one / "lr/local_summary.json") == stable(two / "lr/local_summary.json")
@@ -520,7 +519,7 @@ def test_the_forecast_comes_before_training_and_beside_its_outcome(demo_run):
                                            "LR runs", "LR summary", "noise scale", "forecast"]
     assert all(s > 0 for s in before["job_seconds"].values()) and not before["unrecorded"]
     runs = sum(json.loads((demo_run / f"results/lr/local/run{i}.json").read_text())
-               ["provenance"]["job_seconds"] for i in range(REDUCED["lr_finder"]["runs"]))
+               ["provenance"]["job_seconds"] for i in LR_RUNS)
     assert before["job_seconds"]["LR runs"] == pytest.approx(runs, abs=0.1)
     assert before["share_of_training"] == pytest.approx(before["total_s"] / f["total_s"],
                                                         rel=1e-3)
