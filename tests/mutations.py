@@ -588,6 +588,13 @@ MUTATIONS = [
              ("tests/test_lr_validation.py::test_stage_writes_the_grid_verdict_and_plot",),
              "an LR validation run must train at the plan's batch, its accumulation included: "
              "at accumulation 1 it validates the LR at a smaller batch than training's"),
+    Mutation("broken-file-read-again-on-resume", "src/imgclf/train/__init__.py",
+             "job.recipe.name, read_bad_files(bad_list))",
+             "job.recipe.name, set())",
+             ("tests/test_data_flaws.py::"
+              "test_file_broken_after_the_check_stops_training_then_resumes",),
+             "a training that resumes after an image broke must leave out the files the stopped "
+             "attempt listed, or it stops on the same image again"),
 ]
 
 

@@ -24,13 +24,14 @@ from imgclf import data, hydration, index, recipes, settings
 from imgclf.hydration import integrity
 
 CHECK = "results/hydration/local.json"
-# a short but complete run: every training image is read in the one epoch; one short LR
-# range test (the forecast before training reads one); the small model
+# a short but complete run: every training image is read in each epoch, and an image broken
+# after the first epoch's checkpoint by the two after it; one short LR range test (the forecast
+# before training reads one); the small model
 QUICK = """
 loader: {workers: [0], prefetch_factors: [2], decoders: [pil], seconds_per_config: 0.3,
          windows: 2, measure_baseline: false}
 lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
-train: {epochs: 1, lr_source: recipe, limit_val_batches: 2}
+train: {epochs: 3, lr_source: recipe, limit_val_batches: 2}
 noise_scale: {steps: 4, accumulate: 2}
 """ + SMALL_MODEL
 
@@ -122,35 +123,6 @@ def test_slow_reads_fail_where_their_limit_applies(setting, key, workflow_copy, 
     out = res.stdout + res.stderr
     assert res.returncode != 0 and "Traceback" not in out
     assert key in next(line for line in out.splitlines() if "Hydration check failed" in line)
-
-
-def test_file_broken_after_the_check_stops_training_then_resumes(demo_run_copy):
-    """A training image truncated while training runs (after the first checkpoint): the epoch
-    that reads it stops with one sentence naming it; the next run leaves it out and resumes
-    from last.ckpt. (In a copy of the complete demo run, its training removed: the check and
-    the stages before training ran there already.)"""
-    work = demo_run_copy
-    (work / "c.yaml").write_text(
-        "train: {epochs: 3, lr_source: recipe, limit_val_batches: 2}\n")
-    target = ["results/train/local/best.ckpt", "--configfile", "c.yaml"]
-    first, last = training_until_checkpoint(work, *target)
-    victim = last_of(work / "results/demo/digits/train/6")
-    named = str(victim.relative_to(work))  # the demo's index holds relative paths
-    data = victim.read_bytes()
-    victim.write_bytes(data[: len(data) // 3])  # read again by each of the next epochs
-    out = first.communicate(timeout=300)[0]
-    assert first.returncode != 0, out[-3000:]
-    assert "Traceback" not in out
-    sentence = next(line for line in out.splitlines() if "Training stopped" in line)
-    assert one_sentence(sentence) and named in sentence and "resume" in sentence
-    point = resume_point(last, work)
-
-    again = snakemake(work, *target)
-    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
-    s = json.loads((work / "results/train/local/train_summary.json").read_text())
-    assert s["resumed_from"] == point and s["completed"] and s["attempts"] == 2
-    assert resume_line(point) in (work / "logs/train/local.log").read_text()
-    assert s["left_out_after_check"] == [named] and s["train_images"] == 1437
 
 
 # --- what arrives beside the data ---------------------------------------------------------------
@@ -381,8 +353,10 @@ def every_flaw(root: Path) -> tuple[dict[str, Path], dict[str, str], list[str]]:
 @pytest.fixture(scope="module")
 def every_flaw_run(tmp_path_factory, demo_root) -> dict:
     """Every flaw at once, through `snakemake` with no target (check, loader benchmark, memory
-    solve, LR finder, training, evaluation, report tables), in a workflow copy of its own, from
-    a data root whose path has a space and an apostrophe: the run both tests below read."""
+    solve, LR finder, training, evaluation, export, report tables), in a workflow copy of its
+    own, from a data root whose path has a space and an apostrophe; once training has written
+    its first checkpoint, one of its images truncated (a file that breaks after the check), which
+    stops that run, and `snakemake` again, which goes to the end: the runs the tests below read."""
     base = tmp_path_factory.mktemp("every_flaw")
     work = copy_workflow(base / "wf")
     # a root with a space and an apostrophe, as users name folders
@@ -391,9 +365,16 @@ def every_flaw_run(tmp_path_factory, demo_root) -> dict:
     (work / "data.yaml").write_text(
         f"dataset: {{root: {json.dumps(str(root))}}}\nhydration: {{max_bad_fraction: 0.01}}\n"
         + QUICK)
-    res = snakemake(work, "--configfile", "data.yaml", timeout=1500)
+    first, last = training_until_checkpoint(work, "--configfile", "data.yaml", within_s=1200)
+    victim = sorted((root / "train" / "6").glob("[0-9]*.jpg"))[-1]  # a demo image
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 3])  # read again by each of the next epochs
+    stopped = first.communicate(timeout=600)[0]
+    point = resume_point(last, work)
+    again = snakemake(work, "--configfile", "data.yaml", timeout=1500)
     return {"work": work, "flaws": flaws, "listed": listed, "trained": trained,
-            "returncode": res.returncode, "out": res.stdout + res.stderr}
+            "broken": str(victim), "stopped": (first.returncode, stopped), "point": point,
+            "returncode": again.returncode, "out": again.stdout + again.stderr}
 
 
 def test_bad_files_are_excluded_named_and_never_opened(every_flaw_run):
@@ -418,7 +399,8 @@ def test_bad_files_are_excluded_named_and_never_opened(every_flaw_run):
     index = (work / "results/hydration/local.train.tsv").read_text()
     assert all(p.name not in index for p in every_flaw_run["flaws"].values())
     summary = json.loads((work / "results/train/local/train_summary.json").read_text())
-    assert summary["train_images"] == usable and summary["completed"]
+    # all of them but the image broken after the check (test_file_broken_after_the_check_...)
+    assert summary["train_images"] == usable - 1 and summary["completed"]
 
 
 def test_a_data_set_with_every_flaw_goes_through_the_default_target(every_flaw_run):
@@ -445,6 +427,24 @@ def test_a_data_set_with_every_flaw_goes_through_the_default_target(every_flaw_r
     assert report["bad_files"]["count"] == 6  # truncated, corrupt, empty, unreadable, 2 too large
 
     summary = json.loads((workflow_copy / "results/train/local/train_summary.json").read_text())
-    assert summary["completed"] and summary["train_images"] == len(files["train"])
+    assert summary["completed"] and summary["train_images"] == len(files["train"]) - 1
     evaluation = json.loads((workflow_copy / "results/eval/local.json").read_text())
     assert evaluation["num_images"] == len(files["val"])
+
+
+def test_file_broken_after_the_check_stops_training_then_resumes(every_flaw_run):
+    """A training image truncated while training runs (after the first checkpoint): the epoch
+    that reads it stops with one sentence naming it; the next run leaves it out and resumes
+    from last.ckpt, then goes to the end."""
+    work, named = every_flaw_run["work"], every_flaw_run["broken"]
+    code, out = every_flaw_run["stopped"]
+    assert code != 0, out[-3000:]
+    assert "Traceback" not in out
+    sentence = next(line for line in out.splitlines() if "Training stopped" in line)
+    assert one_sentence(sentence) and named in sentence and "resume" in sentence
+    assert every_flaw_run["returncode"] == 0, every_flaw_run["out"][-4000:]
+    s = json.loads((work / "results/train/local/train_summary.json").read_text())
+    point = every_flaw_run["point"]
+    assert s["resumed_from"] == point and s["completed"] and s["attempts"] == 2
+    assert resume_line(point) in (work / "logs/train/local.log").read_text()
+    assert s["left_out_after_check"] == [named]
