@@ -171,12 +171,17 @@ def demo_root(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "demo_root", build) / "results" / "demo" / "digits"
 
 
+def demo_workflow(dest: Path, demo_root: Path) -> Path:
+    """A copy of the workflow at `dest` with the demo data (demo_root) already built in it."""
+    work = copy_workflow(dest)
+    shutil.copytree(demo_root, work / "results" / "demo" / "digits")
+    return work
+
+
 @pytest.fixture
 def workflow_copy(tmp_path, demo_root) -> Path:
     """A fresh copy of the workflow with the demo data already built in it."""
-    work = copy_workflow(tmp_path / "wf")
-    shutil.copytree(demo_root, work / "results" / "demo" / "digits")
-    return work
+    return demo_workflow(tmp_path / "wf", demo_root)
 
 
 # The tests' runs train and time a smaller input than the demo's 32 px: the same ResNet-18 on a
@@ -200,8 +205,7 @@ def through_memory(tmp_path_factory, demo_root) -> Path:
     data (hydration check, loader benchmark with a short time budget, memory solve), and the
     loader's and the memory solve's figures, with FAST_YAML (fast.yaml)."""
     def build(work: Path):
-        copy_workflow(work)
-        shutil.copytree(demo_root, work / "results" / "demo" / "digits")
+        demo_workflow(work, demo_root)
         (work / "fast.yaml").write_text(FAST_YAML)
         res = snakemake(work, "results/memory/local.json", "results/loader/local.png",
                         "results/memory/local.png", "--configfile", "fast.yaml")
@@ -324,6 +328,15 @@ VOLATILE = {"provenance", "wall_time_s", "images_per_s", "seconds", "timing"}
 def stable(path: Path) -> dict:
     """An artifact's JSON without VOLATILE: what two runs of the same settings must agree on."""
     return {k: v for k, v in json.loads(path.read_text()).items() if k not in VOLATILE}
+
+
+def train_accuracy_columns(out: Path) -> list[str]:
+    """The training-accuracy columns of a run's metrics.csv that hold a value."""
+    import pandas as pd
+
+    metrics = pd.read_csv(out / "metrics.csv")
+    return sorted(c for c in metrics.columns
+                  if c.startswith("train/acc") and metrics[c].notna().any())
 
 
 def one_sentence(text: str) -> bool:

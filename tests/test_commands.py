@@ -17,14 +17,13 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import BIN, REPO, SMALL_MODEL, copy_workflow
+from conftest import BIN, REPO, SMALL_MODEL, demo_workflow
 
 REAL, APART, DRY = "run", "run in a copy of its own", "dry run"
 # Each documented command and how it runs here; a sentence is why it does not run here.
@@ -178,9 +177,8 @@ def with_demo_data(text: str, demo: Path) -> str:
 def commands_copy(folder: Path, demo_root: Path) -> Path:
     """A workflow copy with the demo data, REDUCED in its config and the documents' config
     files."""
-    work = copy_workflow(folder)
+    work = demo_workflow(folder, demo_root)
     demo = work / "results" / "demo" / "digits"
-    shutil.copytree(demo_root, demo)
     cfg = work / "config" / "config.yaml"
     cfg.write_text(yaml.safe_dump({**yaml.safe_load(cfg.read_text()), **REDUCED},
                                   sort_keys=False))

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import shutil
 import statistics
 import uuid
 from datetime import datetime
@@ -19,7 +18,7 @@ import torch
 import yaml
 from PIL import Image
 
-from conftest import REPO, SMALL_MODEL, copy_workflow, snakemake
+from conftest import REPO, SMALL_MODEL, demo_workflow, snakemake
 from imgclf import settings, slices
 from imgclf.lr import find as lr_find
 from imgclf.lr import scaling as lr_scaling
@@ -380,8 +379,7 @@ def g5_on_two_gpus(tmp_path_factory, demo_root):
     GPUs (the stand-in nvidia-smi, GPUs of this run's own: their locks are no one else's) and
     3 runs: (the workflow copy, its output, the LR finder's settings)."""
     base = tmp_path_factory.mktemp("g5_on_two_gpus")
-    work = copy_workflow(base / "wf")
-    shutil.copytree(demo_root, work / "results" / "demo" / "digits")
+    work = demo_workflow(base / "wf", demo_root)
     gpus = base / "gpus.json"
     run = uuid.uuid4().hex[:12]
     gpus.write_text(json.dumps([{"name": "NVIDIA L4", "mib": 23034, "compute_cap": "8.9",

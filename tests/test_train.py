@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from conftest import train_accuracy_columns
 from imgclf import forecast, recipes, settings
 from imgclf.train import callbacks as train_callbacks
 from imgclf.train import failures as train_failures
@@ -452,15 +453,6 @@ def test_the_requeue_signal_leaves_a_ranks_compile_workers_compiling():
 
 
 # --- real DDP through the entry point --------------------------------------------------------
-
-def train_accuracy_columns(out) -> list[str]:
-    """The training-accuracy columns of a run's metrics.csv that hold a value."""
-    import pandas as pd
-
-    metrics = pd.read_csv(out / "metrics.csv")
-    return sorted(c for c in metrics.columns
-                  if c.startswith("train/acc") and metrics[c].notna().any())
-
 
 def test_a_failure_on_rank_zero_ends_the_other_ranks(demo_root, tmp_path):
     """Rank 0 stops on a broken image (a user's error) while rank 1 trains on: rank 0 ends rank
