@@ -190,12 +190,18 @@ def workflow_copy(tmp_path, demo_root) -> Path:
 SMALL_MODEL = "model: {resolution: 16}\n"
 
 # A short loader time budget, and the small model: the tests check what the rules produce, not
-# the figures.
+# the figures. One CPU rank of at most 64 a batch, which reaches the recipe's global batch of
+# 128 by accumulating 2: the plan whose runs the LR validation and the batch curve train (each
+# `imgclf train` with an experiment's settings; a second rank in each of their 7 runs would add
+# its imports, and the DDP of `imgclf train` is what the complete run, the resume tests and
+# test_train.py run), set here so that the runs after the memory solve reuse it.
 FAST_YAML = """\
 loader:
   seconds_per_config: 0.45
   windows: 3
   warmup_batches: 1
+clusters: {local: {cpu_processes: 1}}
+memory: {max_batch: 64}
 """ + SMALL_MODEL
 
 
@@ -267,14 +273,8 @@ def demo_run_copy(tmp_path, demo_run) -> Path:
 
 
 # The LR range test and the noise scale that the LR validation's and the batch curve's runs
-# start from: one range test of 20 steps, a noise scale of 4 steps. Their runs train on one CPU
-# rank of 64 a batch, which reaches the recipe's global batch of 128 by accumulating 2: each run
-# is `imgclf train` with an experiment's settings, and the DDP of `imgclf train` (2 gloo ranks)
-# is what the complete run, the resume tests and test_train.py run; a second rank in each of
-# these 7 runs would add its imports.
+# start from, on FAST_YAML's plan: one range test of 20 steps, a noise scale of 4 steps.
 LR_YAML = FAST_YAML + """\
-clusters: {local: {cpu_processes: 1}}
-memory: {max_batch: 64}
 lr_finder: {runs: 1, num_iter: 20, skip_start: 3, skip_end: 2}
 noise_scale: {steps: 4, accumulate: 2}
 """

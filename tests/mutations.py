@@ -543,6 +543,12 @@ MUTATIONS = [
               "test_a_failed_verification_backs_off_no_lower_than_the_smallest_trainable_batch",),
              "on a small GPU at 32 px the verification backed off to batch 1 and batch norm's "
              "ValueError escaped the search"),
+    Mutation("memory-solve-never-accumulates", "src/imgclf/memory/solve.py",
+             'accum = accumulation(p.target, batch.per_device, p.devices, hw["nodes"])',
+             "accum = 1",
+             ("tests/test_memory.py::"
+              "test_rule_accumulates_when_one_rank_cannot_hold_the_global_batch",),
+             "one CPU rank held to 64 a batch planned a global batch of 64, not the recipe's 128"),
     Mutation("memory-per-cpu-over-the-jobs-cpus", "src/imgclf/slurm/jobs.py",
              "return node_memory_mb(cluster) * min(cpus, used) // used // cpus",
              "return node_memory_mb(cluster) * min(cpus, used) // cpus // cpus",

@@ -41,16 +41,17 @@ def loader_report(cluster: str, num_classes: int = 1000, workers: int = 8, prefe
             "ram_margin": 0.8, "note": None}
 
 
-def test_rule_on_demo_data_solves_the_cpu_cluster(through_memory):
-    report = json.loads((through_memory / "results/memory/local.json").read_text())
-    loader = json.loads((through_memory / "results/loader/local.json").read_text())
+def test_rule_on_demo_data_solves_the_cpu_cluster(demo_run):
+    """The default local entry of a machine without GPUs, as the complete run solved it."""
+    report = json.loads((demo_run / "results/memory/local.json").read_text())
+    loader = json.loads((demo_run / "results/loader/local.json").read_text())
     assert report["method"] == "estimated" and report["accelerator"] == "cpu"
     assert report["devices_per_node"] == 2 and report["nodes"] == 1
     # CPU-only: the recipe's global batch (128) over 2 ranks, well inside the host RAM budget
     assert report["per_device_batch"] == 64 and report["limited_by"] == "target_global_batch"
     assert report["accumulate_grad_batches"] == 1 and report["global_batch"] == 128
     # the later stages read it as a plan: the same batch, accumulation and loader
-    plan = Plan.read(through_memory / "results/memory/local.json", "local")
+    plan = Plan.read(demo_run / "results/memory/local.json", "local")
     assert (plan.per_device_batch, plan.global_batch, plan.world_size) == (64, 128, 2)
     assert (plan.num_workers, plan.decoder) == (report["num_workers"], report["decoder"])
     assert "lr_finder_batch" not in report  # the LR finder runs at the per-device batch
@@ -63,11 +64,24 @@ def test_rule_on_demo_data_solves_the_cpu_cluster(through_memory):
     assert parts["weights"] == parts["gradients"] == parts["optimizer_state"] == \
         report["model"]["params"] * 4  # fp32 weights, SGD momentum: one float per parameter
     assert report["model"]["num_classes"] == 10
-    assert (through_memory / "results/memory/local.png").read_bytes()[:8] == PNG_MAGIC
-    assert (through_memory / "benchmarks/memory/local.tsv").exists()
+    assert (demo_run / "results/memory/local.png").read_bytes()[:8] == PNG_MAGIC
+    assert (demo_run / "benchmarks/memory/local.tsv").exists()
     assert "results/loader/local.json" in report["provenance"]["inputs"]
-    out = (through_memory / "snakemake_output.txt").read_text()
+    out = (demo_run / "snakemake_output.txt").read_text()
     assert "gpu=0" in out.split("rule solve_memory:")[1].split("Finished")[0]
+
+
+def test_rule_accumulates_when_one_rank_cannot_hold_the_global_batch(through_memory):
+    """One CPU rank of at most 64 a batch (FAST_YAML) reaches the recipe's global batch of 128
+    by accumulating 2, and the later stages read that plan."""
+    report = json.loads((through_memory / "results/memory/local.json").read_text())
+    assert report["devices_per_node"] == 1 and report["per_device_batch"] == 64
+    assert report["accumulate_grad_batches"] == 2 and report["global_batch"] == 128
+    assert report["limited_by"] == "max_batch"
+    plan = Plan.read(through_memory / "results/memory/local.json", "local")
+    assert (plan.per_device_batch, plan.accumulate_grad_batches, plan.global_batch,
+            plan.world_size) == (64, 2, 128, 1)
+    assert (through_memory / "results/memory/local.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_activation_count_of_a_linear_stack_matches_the_hand_count():

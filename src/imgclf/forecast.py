@@ -135,11 +135,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _import_model_code(spec: dict) -> None:
+    """Import torch and the model's library here, once, so that each forked rank inherits them
+    instead of importing them again (the imports take longer than the timed steps of a small
+    model). Imports only: no torch op runs before the fork, so no thread pool is copied."""
+    import torch.distributed  # noqa: F401
+
+    if recipes.get(spec["recipe"]).drop_path > 0:
+        import timm  # noqa: F401
+    else:
+        import torchvision  # noqa: F401
+
+
 def _run_ranks(world: int, spec: dict) -> dict:
     """`world` ranks side by side in forked processes (a `script:` stage cannot be re-imported,
     as spawning would), each with the torch threads training gives a rank."""
     import multiprocessing
 
+    _import_model_code(spec)
     ctx = multiprocessing.get_context("fork")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank_steps, args=(r, world, port, spec, results))
