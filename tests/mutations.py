@@ -549,6 +549,11 @@ MUTATIONS = [
              ("tests/test_memory.py::"
               "test_rule_accumulates_when_one_rank_cannot_hold_the_global_batch",),
              "one CPU rank held to 64 a batch planned a global batch of 64, not the recipe's 128"),
+    Mutation("lr-finder-bar-redrawn", "src/imgclf/lr/find.py",
+             'torch_lr_finder.lr_finder.tqdm = functools.partial(progress, desc=desc, unit="steps")',
+             "pass",
+             ("tests/test_lr.py::test_lr_stage_reports_progress_in_plain_lines",),
+             "torch-lr-finder's tqdm bar redrew itself at every step in Snakemake's output"),
     Mutation("memory-per-cpu-over-the-jobs-cpus", "src/imgclf/slurm/jobs.py",
              "return node_memory_mb(cluster) * min(cpus, used) // used // cpus",
              "return node_memory_mb(cluster) * min(cpus, used) // cpus // cpus",

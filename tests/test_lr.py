@@ -292,6 +292,16 @@ def test_lr_stage_draws_its_runs(demo_run):
         assert img.size[0] > 400 and img.size[1] > 300
 
 
+def test_lr_stage_reports_progress_in_plain_lines(demo_run):
+    """The range test's progress, in the complete demo run: lines in the run's log, not
+    torch-lr-finder's bar redrawn at every step in Snakemake's output (a log file keeps every
+    redraw)."""
+    log = (demo_run / "logs/lr/local/run0.log").read_text()
+    assert re.search(r"LR range test 0: 20/20 steps \(100 %\)", log), log[-2000:]
+    out = (demo_run / "snakemake_output.txt").read_text()
+    assert "it/s]" not in out and "LR range test 0: 20/20 steps" in out
+
+
 def test_cli_lr_find_batch_override_and_summary(through_memory, tmp_path):
     """`imgclf lr-find --batch-size` (the manual escape hatch after an OOM) and `lr-summary`."""
     import subprocess
@@ -328,7 +338,8 @@ def test_finder_takes_the_mixed_precision_arguments_of_the_gpu_path():
     amp = {"precision": "bf16-mixed", "amp_backend": "torch",
            "amp_config": {"device_type": "cpu", "dtype": torch.bfloat16},
            "grad_scaler": torch.amp.GradScaler("cpu", enabled=False)}
-    finder = lr_find._finder(net, opt, torch.nn.CrossEntropyLoss(), torch.device("cpu"), amp)
+    finder = lr_find._finder(net, opt, torch.nn.CrossEntropyLoss(), torch.device("cpu"), amp,
+                             "LR range test")
     finder.range_test(DataLoader(TensorDataset(x, y), batch_size=16), start_lr=1e-4, end_lr=1,
                       num_iter=5)
     assert len(finder.history["lr"]) == 5 and len(finder.raw) == 5

@@ -6,6 +6,7 @@ reads their curves (imgclf.lr.summary)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -13,6 +14,7 @@ import time
 from imgclf import devices, hardware, recipes
 from imgclf.artifacts import Plan
 from imgclf.one_device import OneDeviceRun, one_device_run
+from imgclf.progress import progress
 from imgclf.provenance import write_artifact
 
 log = logging.getLogger(__name__)
@@ -63,11 +65,16 @@ def _amp(run: OneDeviceRun) -> dict:
             "grad_scaler": run.scaler or torch.amp.GradScaler(device_type, enabled=False)}
 
 
-def _finder(net, optimizer, criterion, device, amp: dict):
+def _finder(net, optimizer, criterion, device, amp: dict, desc: str):
     """torch-lr-finder's LRFinder that also keeps the raw per-step losses (it stores only the
     smoothed ones) and each step's seconds (its loss's `.item()` waits for the device, so a
-    GPU step is timed to its end)."""
+    GPU step is timed to its end). Its progress bar, which it draws with tqdm whatever stderr
+    is, goes through imgclf.progress: plain lines named `desc` in a job's log, not a redraw
+    per step."""
+    import torch_lr_finder.lr_finder
     from torch_lr_finder import LRFinder
+
+    torch_lr_finder.lr_finder.tqdm = functools.partial(progress, desc=desc, unit="steps")
 
     class RecordingLRFinder(LRFinder):
         def _train_batch(self, *args, **kwargs):
@@ -115,7 +122,7 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
     recipe, batch, device, net, loader = r.recipe, r.batch, r.device, r.net, r.loader
     amp = _amp(r)
     finder = _finder(net, recipes.build_optimizer(net, recipe, lr=cfg["start_lr"]),
-                     r.criterion, device, amp)
+                     r.criterion, device, amp, f"LR range test {run}")
     if accumulation is None:
         accumulation = plan.accumulate_grad_batches if cfg["accumulate"] else 1
     start, waits = time.perf_counter(), []
