@@ -554,6 +554,11 @@ MUTATIONS = [
              "pass",
              ("tests/test_lr.py::test_lr_stage_reports_progress_in_plain_lines",),
              "torch-lr-finder's tqdm bar redrew itself at every step in Snakemake's output"),
+    Mutation("onnx-exporter-logs-its-passes", "src/imgclf/stage.py",
+             '("matplotlib", "PIL", "onnx_ir", "onnxscript")', '("matplotlib", "PIL")',
+             ("tests/test_predict.py::"
+              "test_the_export_log_holds_the_stages_lines_not_its_libraries_steps",),
+             "each export printed a dozen INFO lines of the ONNX exporter's passes"),
     Mutation("memory-per-cpu-over-the-jobs-cpus", "src/imgclf/slurm/jobs.py",
              "return node_memory_mb(cluster) * min(cpus, used) // used // cpus",
              "return node_memory_mb(cluster) * min(cpus, used) // cpus // cpus",

@@ -216,6 +216,14 @@ def validation_batch(work: Path, n: int) -> torch.Tensor:
     return torch.stack([dataset[i][0] for i in range(n)])
 
 
+def test_the_export_log_holds_the_stages_lines_not_its_libraries_steps(exported):
+    """The export's log (and so Snakemake's output): the ONNX check's line, without the INFO
+    lines of the ONNX exporter's passes (onnx_ir, onnxscript), a dozen per export."""
+    log = (exported / "logs/export/local.log").read_text()
+    assert "ONNX check on" in log
+    assert not re.search(r" (onnx_ir|onnxscript)[\w.]* INFO ", log), log[-3000:]
+
+
 def test_the_exported_files_are_what_model_json_promises(exported):
     """torchvision loads model.safetensors as it is, the torch.export program computes the same
     logits at a batch it was not traced at, model.json's digest is the file's, and its ONNX

@@ -20,7 +20,8 @@ def setup_logging(log_file: str | None = None, level=logging.INFO) -> None:
                                             errors="backslashreplace"))
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=handlers, force=True)
-    for noisy in ("matplotlib", "PIL"):
+    # libraries that log their own steps at INFO: the ONNX exporter's passes, a dozen lines
+    for noisy in ("matplotlib", "PIL", "onnx_ir", "onnxscript"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
