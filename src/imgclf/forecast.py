@@ -139,12 +139,11 @@ def _import_model_code(spec: dict) -> None:
     """Import torch and the model's library here, once, so that each forked rank inherits them
     instead of importing them again (the imports take longer than the timed steps of a small
     model). Imports only: no torch op runs before the fork, so no thread pool is copied."""
+    import importlib
+
     import torch.distributed  # noqa: F401
 
-    if recipes.get(spec["recipe"]).drop_path > 0:
-        import timm  # noqa: F401
-    else:
-        import torchvision  # noqa: F401
+    importlib.import_module(recipes.model_library(recipes.get(spec["recipe"]).drop_path))
 
 
 def _run_ranks(world: int, spec: dict) -> dict:

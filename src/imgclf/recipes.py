@@ -184,6 +184,12 @@ def get(name: str) -> Recipe:
     return RECIPES[name]
 
 
+def model_library(drop_path: float) -> str:
+    """The library that builds the network: timm where the recipe drops paths (torchvision's
+    ResNet has no drop path), else torchvision."""
+    return "timm" if drop_path > 0 else "torchvision"
+
+
 def build_model(arch: str, num_classes: int, drop_path: float = 0.0) -> nn.Module:
     """torchvision's ResNet; with stochastic depth (drop_path > 0), timm's ResNet of the same
     name, which is the same ResNet-B with the same parameter names and shapes (so its
@@ -193,7 +199,7 @@ def build_model(arch: str, num_classes: int, drop_path: float = 0.0) -> nn.Modul
     if arch not in ARCHS:
         raise UserError(f"Unknown model {arch!r} (config key `model.arch`): choose one of "
                         f"{', '.join(ARCHS)}.")
-    if drop_path > 0:
+    if model_library(drop_path) == "timm":
         import timm
 
         return timm.create_model(arch, pretrained=False, num_classes=num_classes,
