@@ -73,14 +73,19 @@ def test_rule_on_demo_data_solves_the_cpu_cluster(demo_run):
 
 def test_rule_accumulates_when_one_rank_cannot_hold_the_global_batch(through_memory):
     """One CPU rank of at most 64 a batch (FAST_YAML) reaches the recipe's global batch of 128
-    by accumulating 2, and the later stages read that plan."""
+    by accumulating 2, and the later stages read that plan, with the loader the benchmark's
+    whole grid chose (workers included)."""
     report = json.loads((through_memory / "results/memory/local.json").read_text())
+    loader = json.loads((through_memory / "results/loader/local.json").read_text())
     assert report["devices_per_node"] == 1 and report["per_device_batch"] == 64
     assert report["accumulate_grad_batches"] == 2 and report["global_batch"] == 128
     assert report["limited_by"] == "max_batch"
     plan = Plan.read(through_memory / "results/memory/local.json", "local")
     assert (plan.per_device_batch, plan.accumulate_grad_batches, plan.global_batch,
             plan.world_size) == (64, 2, 128, 1)
+    assert (plan.num_workers, plan.decoder) == (report["num_workers"], report["decoder"])
+    assert report["decoder"] == loader["choice"]["decoder"]
+    assert report["num_workers"] <= loader["choice"]["num_workers"]
     assert (through_memory / "results/memory/local.png").read_bytes()[:8] == PNG_MAGIC
 
 
