@@ -10,6 +10,13 @@ user and system CPU of the worker itself and of every descendant it waited for, 
 those orphaned on the way. Prints the suite's wall time and CPU, the cost per file and the 20
 dearest tests with what each asserts (its docstring's first line), as Markdown.
 
+Then what the processes spent importing the libraries: every Python process the suite starts
+(a `sitecustomize` on PYTHONPATH) writes, as it exits, its own CPU time and which of torch,
+torchvision and Lightning it had imported; each library's import alone is timed after the suite
+(`python -c "import ..."`, the median of three). Processes that end without running their exit
+handlers (loader workers, ranks killed on purpose, the forked Snakemake calls) and those of
+another user are not in it.
+
     .venv/bin/python benchmarks/suite_cost.py [pytest args...]   # default: the whole suite
     .venv/bin/python benchmarks/suite_cost.py tests/test_lr.py -n 0
 """
@@ -31,6 +38,24 @@ from demo_dag import adopt_orphans  # benchmarks/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_ENV = "IMGCLF_SUITE_COST_DIR"
+
+# The libraries a process may import, heaviest first, and the statement that imports each alone
+IMPORTS = {"lightning": "import torchvision, lightning.pytorch", "torchvision": "import torchvision",
+           "torch": "import torch"}
+# Written into the run's folder and first on PYTHONPATH: every Python process of the suite logs,
+# at exit, its own CPU seconds and the heaviest of IMPORTS it imported.
+SITECUSTOMIZE = f"""
+import atexit, json, os, sys
+def _log(path=os.path.join(os.path.dirname(__file__), "processes.jsonl")):
+    t = os.times()
+    kind = next((k for k in {tuple(IMPORTS)!r} if k in sys.modules), "none")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps({{"cpu_s": t.user + t.system, "imported": kind}}) + "\\n")
+    except OSError:  # a process of another user (the GPU-lock tests'): not counted
+        pass
+atexit.register(_log)
+"""
 
 
 # --- the plugin, loaded into every pytest process (-p suite_cost) ----------------------------
@@ -87,8 +112,10 @@ def pytest_runtest_protocol(item, nextitem):
 
 def main(args: list[str]) -> int:
     out = Path(tempfile.mkdtemp(prefix="suite-cost-"))
+    (out / "site").mkdir()
+    (out / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {**os.environ, OUT_ENV: str(out),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"),
+           "PYTHONPATH": os.pathsep.join([str(out / "site"), str(REPO / "benchmarks"),
                                           os.environ.get("PYTHONPATH", "")])}
     pytest_args = args or ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]
     if not any(a in ("-n", "--numprocesses") or a.startswith("-n") for a in pytest_args):
@@ -100,7 +127,40 @@ def main(args: list[str]) -> int:
     records = [json.loads(line) for p in sorted(out.glob("*.jsonl"))
                for line in p.read_text().splitlines()]
     report(records, wall, cpu, res.returncode)
+    processes = [json.loads(line) for line in
+                 (out / "site" / "processes.jsonl").read_text().splitlines()]
+    report_imports(processes, {kind: import_cpu(code) for kind, code in IMPORTS.items()}, cpu)
     return res.returncode
+
+
+def import_cpu(code: str, times: int = 3) -> float:
+    """CPU seconds (user + system) of a fresh interpreter that runs `code`, the median of
+    `times`."""
+    seconds = []
+    for _ in range(times):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        seconds.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return sorted(seconds)[len(seconds) // 2]
+
+
+def report_imports(processes: list[dict], alone: dict, cpu: float) -> None:
+    kinds = collections.defaultdict(lambda: [0, 0.0])
+    for p in processes:
+        kinds[p["imported"]][0] += 1
+        kinds[p["imported"]][1] += p["cpu_s"]
+    logged = sum(c for _, c in kinds.values())
+    floor = sum(n * alone.get(kind, 0.0) for kind, (n, _) in kinds.items())
+    print(f"\n{len(processes)} Python processes logged their CPU at exit: {logged:.0f} of the "
+          f"{cpu:.0f} CPU-s. Each one's heaviest library, imported alone, comes to {floor:.0f} "
+          f"CPU-s in all ({floor / cpu:.0%} of the suite's CPU)\n")
+    print("| heaviest library imported | processes | CPU-s | its import alone, CPU-s | "
+          "imports in all, CPU-s |\n|---|---|---|---|---|")
+    for kind, (n, c) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        each = alone.get(kind)
+        print(f"| {kind} | {n} | {c:.0f} | {'' if each is None else f'{each:.1f}'} | "
+              f"{'' if each is None else f'{n * each:.0f}'} |")
 
 
 def report(records: list[dict], wall: float, cpu: float, rc: int) -> None:
