@@ -27,6 +27,7 @@ import collections
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
-from demo_dag import adopt_orphans  # benchmarks/ is on sys.path
+from demo_dag import adopt_orphans, children_cpu  # benchmarks/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_ENV = "IMGCLF_SUITE_COST_DIR"
@@ -138,11 +139,10 @@ def import_cpu(code: str, times: int = 3) -> float:
     `times`."""
     seconds = []
     for _ in range(times):
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        before = children_cpu()
         subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        seconds.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-    return sorted(seconds)[len(seconds) // 2]
+        seconds.append(children_cpu() - before)
+    return statistics.median(seconds)
 
 
 def report_imports(processes: list[dict], alone: dict, cpu: float) -> None:
