@@ -611,6 +611,11 @@ MUTATIONS = [
               "test_file_broken_after_the_check_stops_training_then_resumes",),
              "a training that resumes after an image broke must leave out the files the stopped "
              "attempt listed, or it stops on the same image again"),
+    # --- export ---
+    # --- init_from ---
+    # --- the GPU locks, threads and job limits ---
+    # --- decoding and predict ---
+    # --- the first hour ---
 ]
 
 
