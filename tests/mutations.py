@@ -616,6 +616,11 @@ MUTATIONS = [
     # --- the GPU locks, threads and job limits ---
     # --- decoding and predict ---
     # --- the first hour ---
+    Mutation('finetune-example-without-its-recipe', 'README.md',
+             'resnet18-f37072fd.pth, recipe: finetune}',
+             'resnet18-f37072fd.pth}',
+             ('tests/test_commands.py::test_a_documented_fine_tuning_config_runs_the_recipe_the_docs_recommend',),
+             "the README's fine-tuning line started from the weights with the default recipe, not the one docs/training.md recommends"),
 ]
 
 

@@ -243,6 +243,22 @@ def test_every_config_file_a_command_names_is_documented():
         assert isinstance(yaml.safe_load(text), dict)
 
 
+def test_a_documented_fine_tuning_config_runs_the_recipe_the_docs_recommend():
+    """A config file the documents show that starts from weights (`model.init_from`) runs the
+    recipe docs/training.md recommends beside it: a user who types the line as shown fine-tunes
+    with it, not with the default recipe of a training from scratch."""
+    from imgclf import settings
+
+    advice = re.search(r"For fine-tuning, set `model\.recipe: (\w+)`",
+                       (REPO / "docs" / "training.md").read_text())
+    assert advice, "docs/training.md no longer says which recipe fine-tunes"
+    models = {name: yaml.safe_load(text).get("model") or {}
+              for name, text in documented_files().items()}
+    recipes = {name: settings.validate(dict(model), "model")["recipe"]
+               for name, model in models.items() if model.get("init_from")}
+    assert recipes and set(recipes.values()) == {advice.group(1)}, recipes
+
+
 def planned_target(command: str) -> str:
     """What a dry run of `command` must plan: the rule of its target, or evaluation (`all`)."""
     words = shlex.split(command)[1:]
