@@ -614,6 +614,21 @@ MUTATIONS = [
     # --- export ---
     # --- init_from ---
     # --- the GPU locks, threads and job limits ---
+    Mutation('gpu-lock-followed-through-a-link', 'src/imgclf/devices.py',
+             'return _lock_file(path, os.open(path, os.O_RDWR | os.O_NOFOLLOW))',
+             'return _lock_file(path, os.open(path, os.O_RDWR))',
+             ('tests/test_hardware.py::test_a_lock_file_another_user_linked_to_your_file_leaves_it_untouched',),
+             "another user's symbolic link in the lock folder made a GPU job truncate the file it pointed to and write its pid there"),
+    Mutation('gpu-lock-folder-not-sticky-accepted', 'src/imgclf/devices.py',
+             'if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:',
+             'if False:',
+             ('tests/test_hardware.py::test_a_lock_folder_another_user_could_swap_files_in_is_one_sentence',),
+             'a lock folder writable by all without the sticky bit was used as found: any user could replace the lock files in it'),
+    Mutation('gpu-lock-folder-of-another-user-accepted', 'src/imgclf/devices.py',
+             'if st.st_uid not in (0, os.geteuid()):',
+             'if False:',
+             ('tests/test_hardware.py::test_a_lock_folder_another_user_could_swap_files_in_is_one_sentence',),
+             "a lock folder another user made (and may empty and refill) was used as found"),
     # --- decoding and predict ---
     # --- the first hour ---
     Mutation('finetune-example-without-its-recipe', 'README.md',

@@ -563,7 +563,7 @@ def test_the_lock_folder_and_its_files_are_writable_by_every_user_under_umask_02
     before = os.umask(0o022)
     try:
         folder = devices.lock_dir()
-        fd = devices._open_lock(folder / "GPU-test.lock")
+        fd, _ = devices._open_lock(folder / "GPU-test.lock")
     finally:
         os.umask(before)
     mode = os.fstat(fd).st_mode
@@ -664,6 +664,60 @@ def test_a_lock_file_another_user_left_read_only_is_one_sentence(nvidia_smi):
     assert res.returncode != 0 and "UserError: The GPU lock file " in last, res.stderr
     sentence = last.split("UserError: ", 1)[1]
     assert one_sentence(sentence) and "`chmod 666 " in sentence, sentence
+
+
+def test_a_lock_file_another_user_linked_to_your_file_leaves_it_untouched(
+        nvidia_smi, claims_undone, tmp_path):
+    """Another user plants the first GPU's lock file as a symbolic link to a file of this
+    user's, in the sticky lock folder this user made: the claim stops in one sentence naming
+    the link, and the file still holds what it held (the job used to truncate it and write
+    its pid there)."""
+    import subprocess
+
+    from imgclf import devices
+
+    if os.getuid() != 0:
+        pytest.skip("starts a second user, which takes root")
+    precious = tmp_path / "results.txt"
+    precious.write_text("root data that matters\n")
+    lock = devices.lock_dir() / f"{GPUS[0]['uuid']}.lock"
+    subprocess.run([*SECOND_USER, "ln", "-s", str(precious), str(lock)], check=True)
+    assert lock.lstat().st_uid == 65534
+    with pytest.raises(hardware.UserError) as err:
+        devices.claim_gpus(1, "test job", poll_s=0.2)
+    assert precious.read_text() == "root data that matters\n"
+    assert one_sentence(str(err.value)) and "is a symbolic link (made by nobody)" in str(err.value)
+    assert f"`rm {lock}`" in str(err.value)
+
+
+@pytest.mark.parametrize("made", ["world-writable, not sticky", "by another user", "a link"])
+def test_a_lock_folder_another_user_could_swap_files_in_is_one_sentence(
+        nvidia_smi, claims_undone, tmp_path, made):
+    """A lock folder found writable by all without the sticky bit, owned by another user
+    (not root), or a symbolic link: the claim stops in one sentence naming the folder and the
+    fix, before it opens any lock file there."""
+    from imgclf import devices
+
+    folder = devices.LOCK_DIR
+    if made == "a link":
+        (tmp_path / "elsewhere").mkdir(mode=0o1777)
+        folder.symlink_to(tmp_path / "elsewhere")
+    else:
+        folder.mkdir()
+        folder.chmod(0o777 if made.startswith("world") else 0o1777)
+        if made == "by another user":
+            if os.getuid() != 0:
+                pytest.skip("gives the folder to a second user, which takes root")
+            os.chown(folder, 65534, 65534)
+    with pytest.raises(hardware.UserError) as err:
+        devices.claim_gpus(1, "test job", poll_s=0.2)
+    sentence = str(err.value)
+    fix = {"world-writable, not sticky": f"`chmod 1777 {folder}`",
+           "by another user": "belongs to user nobody, who could replace the lock files",
+           "a link": "is a symbolic link, through which"}[made]
+    assert one_sentence(sentence) and sentence.startswith(f"The GPU lock folder {folder} ")
+    assert fix in sentence, sentence
+    assert not any(folder.iterdir()), "a lock file was made there"
 
 
 def test_a_node_of_mixed_gpus_runs_each_stage_on_its_entrys_gpu(nvidia_smi, claims_undone,

@@ -24,6 +24,8 @@ import fcntl
 import json
 import logging
 import os
+import pwd
+import stat
 import time
 from pathlib import Path
 
@@ -45,34 +47,70 @@ LOCK_DIR = Path("/tmp/imgclf-gpu-locks")
 
 def lock_dir() -> Path:
     """LOCK_DIR, in which every user creates and locks files: sticky and writable by all,
-    whatever the umask of the user who made it (mkdir applies the umask to the mode it is
-    given)."""
+    whatever the umask of the user who made it (made private first, as mkdir applies the umask
+    to the mode it is given, so that nobody plants a file before it is sticky), and refused
+    where another user could replace the lock files in it (`check_lock_dir`)."""
     path = LOCK_DIR
     try:
-        path.mkdir()
+        path.mkdir(mode=0o700)
         os.chmod(path, 0o1777)
     except FileExistsError:
         pass
+    check_lock_dir(path)
     return path
 
 
-def _open_lock(path: Path, wait_s: float = 2.0) -> int:
-    """A descriptor of `path` open for writing, which a lock needs: created readable and
-    writable by every user (os.open's mode is reduced by the umask, so it is set again), or
-    opened as it is. What this user may not write, the folder or another user's file, is tried
-    again for `wait_s` seconds (its maker sets the mode right after creating it: the two calls
-    are not one step), then refused in one sentence. Never O_CREAT on a file that exists: with
-    fs.protected_regular, Linux refuses that on another user's file in a sticky folder."""
+def _owner(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_lock_dir(path: Path) -> None:
+    """Refuse, in one sentence, a lock folder through which another user could make this
+    user's GPU job open a file of theirs in place of a lock (and write its pid into it): a
+    symbolic link, not a folder, owned by another user than this one or root (its owner may
+    rename, delete and replace anything in it), or writable by others without the sticky bit
+    (anyone may then replace this user's lock files)."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "no folder"
+        raise UserError(f"The GPU lock folder {path} is {kind}, "
+                        f"through which another user could make a GPU job overwrite a file: ask "
+                        f"its owner ({_owner(st.st_uid)}) or root to remove it (`rm {path}`), "
+                        f"and the next GPU job makes the folder again.")
+    if st.st_uid not in (0, os.geteuid()):
+        raise UserError(f"The GPU lock folder {path} belongs to user {_owner(st.st_uid)}, who "
+                        f"could replace the lock files in it and make a GPU job of yours "
+                        f"overwrite a file: ask root to make it for every user, while no GPU job "
+                        f"runs (`rm -r {path} && install -d -m 1777 {path}`).")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise UserError(f"The GPU lock folder {path} is writable by other users but not sticky, "
+                        f"so any of them could replace the lock files in it and make a GPU job "
+                        f"overwrite a file: ask its owner ({_owner(st.st_uid)}) or root to run "
+                        f"`chmod 1777 {path}`.")
+
+
+def _open_lock(path: Path, wait_s: float = 2.0) -> tuple[int, bool]:
+    """A descriptor of `path` open for writing, which a lock needs, and whether this user may
+    write into it: created readable and writable by every user (os.open's mode is reduced by
+    the umask, so it is set again), or opened as it is. What this user may not write, the
+    folder or another user's file, is tried again for `wait_s` seconds (its maker sets the mode
+    right after creating it: the two calls are not one step), then refused in one sentence.
+    Never O_CREAT on a file that exists: with fs.protected_regular, Linux refuses that on
+    another user's file in a sticky folder. Never through a symbolic link, and only a regular
+    file (`_lock_file`)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
             os.fchmod(fd, 0o666)
-            return fd
+            return fd, True
         except (FileExistsError, PermissionError):
             pass  # someone's file, or a folder this user may not create in
         try:
-            return os.open(path, os.O_RDWR)
+            return _lock_file(path, os.open(path, os.O_RDWR | os.O_NOFOLLOW))
         except (FileNotFoundError, PermissionError) as e:
             if time.monotonic() >= deadline:
                 blocked = path.parent if isinstance(e, FileNotFoundError) else path
@@ -82,11 +120,32 @@ def _open_lock(path: Path, wait_s: float = 2.0) -> int:
                     f"ask its owner or root to run `chmod {'1777' if blocked != path else '666'} "
                     f"{blocked}`.") from None
             time.sleep(0.05)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise UserError(f"The GPU lock file {path} is a symbolic link (made by "
+                            f"{_owner(os.lstat(path).st_uid)}), which would make a GPU job "
+                            f"overwrite the file it points to: ask its owner or root to remove "
+                            f"it (`rm {path}`).") from None
+
+
+def _lock_file(path: Path, fd: int) -> tuple[int, bool]:
+    """`fd`, an existing lock file, if it is a regular file (not a FIFO or device another user
+    put there), and whether this user may write its pid into it: only into a file of its own
+    with no other name (a hard link would lead to a file elsewhere), never another's."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UserError(f"The GPU lock file {path} is no regular file (made by "
+                        f"{_owner(st.st_uid)}): ask its owner or root to remove it "
+                        f"(`rm {path}`).")
+    return fd, st.st_uid == os.geteuid() and st.st_nlink == 1
 
 
 def _try_lock(uuid: str):
     """The open lock file of device `uuid`, or None when another process holds it."""
-    f = os.fdopen(_open_lock(lock_dir() / f"{uuid}.lock"), "r+")
+    fd, mine = _open_lock(lock_dir() / f"{uuid}.lock")
+    f = os.fdopen(fd, "r+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -94,10 +153,11 @@ def _try_lock(uuid: str):
         if e.errno in (errno.EACCES, errno.EAGAIN):
             return None
         raise
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+    if mine:  # who holds the GPU, for people; the lock itself is the record lock
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
     return f
 
 
