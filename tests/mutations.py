@@ -629,6 +629,11 @@ MUTATIONS = [
              'if False:',
              ('tests/test_hardware.py::test_a_lock_folder_another_user_could_swap_files_in_is_one_sentence',),
              "a lock folder another user made (and may empty and refill) was used as found"),
+    Mutation('gpu-rank-keeps-the-jobs-threads', 'src/imgclf/train/trainer.py',
+             '    threads = slurm_task.cpu_threads_per_rank(int(cluster["devices_per_node"]))\n',
+             '    threads = torch.get_num_threads() if cluster["accelerator"] == "gpu" else slurm_task.cpu_threads_per_rank(int(cluster["devices_per_node"]))\n',
+             ('tests/test_slurm.py::test_a_gpu_rank_of_p4_computes_on_its_share_of_the_node_not_on_every_cpu',),
+             "GPU training ranks kept the OMP_NUM_THREADS Snakemake exports (96 on p4) in a share of 12 CPUs"),
     # --- decoding and predict ---
     # --- the first hour ---
     Mutation('finetune-example-without-its-recipe', 'README.md',

@@ -342,6 +342,36 @@ def test_cpu_ranks_share_the_cores_unless_slurm_bound_them(monkeypatch):
         assert slurm_task.cpu_threads_per_rank(2) == max(1, cpus // 2)
 
 
+def test_a_gpu_rank_of_p4_computes_on_its_share_of_the_node_not_on_every_cpu(monkeypatch, caplog):
+    """A training on a p4 node (96 CPUs, 8 GPUs) run by Snakemake, which exports
+    OMP_NUM_THREADS=96 (the rule's threads), which Lightning keeps: each GPU rank computes on
+    12 torch threads, its share, as CPU ranks do, and its log says so. The node's CPUs are
+    faked (this machine has not 96), as is the GPU (the entry is p4's)."""
+    import logging
+
+    import torch
+
+    from imgclf.train import trainer
+
+    for var in ("SLURM_PROCID", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "96")
+    p4 = settings.cluster(settings.load(), "p4")
+    assert p4["accelerator"] == "gpu" and p4["cpus_per_node"] == 96
+    before = torch.get_num_threads()
+    torch.set_num_threads(96)  # what OMP_NUM_THREADS=96 gives a rank at its start
+    try:
+        with caplog.at_level(logging.INFO, logger="imgclf.train"):
+            trainer.share_threads(p4)
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert threads == 12 and os.environ["OMP_NUM_THREADS"] == "12"
+    assert ("A training rank of cluster 'p4' computes on 12 torch thread(s), its share of the "
+            "96 CPU(s) this job may use (OMP_NUM_THREADS was 96)") in caplog.text
+
+
 def test_readme_shows_the_p4_2x8_lines_the_plugin_builds(tmp_path):
     """The sbatch and srun lines for p4 as 2 x 8 in docs/slurm.md are the ones the plugin and the
     rule make (the sbatch options in the plugin's order, then the GRES it appends)."""

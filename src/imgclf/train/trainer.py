@@ -4,15 +4,19 @@ length from the job, its loggers, and Lightning's own logging quietened."""
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
 import torch
 
+from imgclf.hardware import usable_cpus
 from imgclf.slurm import task as slurm_task
 from imgclf.train.callbacks import AtomicCheckpointIO
 from imgclf.train.job import Job, collective_timeout
+
+log = logging.getLogger("imgclf.train")
 
 
 def trainer_options(job: Job) -> dict:
@@ -61,11 +65,24 @@ def run_options(job: Job) -> dict:
     return out
 
 
+def share_threads(cluster: dict) -> int:
+    """Give this rank its share of the CPUs this job may use as torch threads (and as
+    OMP_NUM_THREADS, for what it starts), log it, and return it. Snakemake exports
+    OMP_NUM_THREADS=<job threads> (96 on a p4 node) and Lightning keeps what it finds, so every
+    rank, of GPUs as of CPUs, would start that many threads in a share of 12: more threads than
+    cores, which slows every rank."""
+    threads = slurm_task.cpu_threads_per_rank(int(cluster["devices_per_node"]))
+    found = os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    log.info("A training rank of cluster %r computes on %d torch thread(s), its share of the %d "
+             "CPU(s) this job may use (OMP_NUM_THREADS was %s)", cluster["name"], threads,
+             usable_cpus(), found or "unset")
+    return threads
+
+
 def build_trainer(job: Job, loggers: list, callbacks: list, show_bar: bool) -> L.Trainer:
-    if not job.gpu:
-        # Snakemake exports OMP_NUM_THREADS=<job threads>, and Lightning then leaves every rank
-        # that many threads: more threads than cores, which slows every rank. Share the cores.
-        torch.set_num_threads(slurm_task.cpu_threads_per_rank(int(job.cluster["devices_per_node"])))
+    share_threads(job.cluster)
     return L.Trainer(**trainer_options(job), logger=loggers, callbacks=callbacks,
                      enable_progress_bar=show_bar)
 
