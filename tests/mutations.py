@@ -641,6 +641,21 @@ MUTATIONS = [
              'resnet18-f37072fd.pth}',
              ('tests/test_commands.py::test_a_documented_fine_tuning_config_runs_the_recipe_the_docs_recommend',),
              "the README's fine-tuning line started from the weights with the default recipe, not the one docs/training.md recommends"),
+    Mutation('hydration-failure-hides-the-second-problem', 'src/imgclf/hydration/__init__.py',
+             'shown = "; ".join(f"({i}) {r}" for i, r in enumerate(reasons[:limit], 1))',
+             'shown = "; ".join(f"({i}) {r}" for i, r in enumerate(reasons[:1], 1))',
+             ('tests/test_data_flaws.py::test_folder_problems_fail_in_one_sentence_with_the_findings_kept',),
+             "an empty class folder's second problem (its class missing from val/) was hidden behind a count"),
+    Mutation('empty-class-folder-without-its-fix', 'src/imgclf/census.py',
+             'holds no usable image: put the "\n                                f"class\'s images in it, or remove it")',
+             'holds no usable image")',
+             ('tests/test_data_flaws.py::test_folder_problems_fail_in_one_sentence_with_the_findings_kept',),
+             "the failure named the empty class folder but not what to do about it"),
+    Mutation('misspelt-key-without-did-you-mean', 'src/imgclf/settings.py',
+             'if (close := difflib.get_close_matches(key, allowed, 1))]',
+             'if (close := difflib.get_close_matches(key, allowed, 0))]',
+             ('tests/test_foundation.py::test_bad_config_stops_with_one_sentence',),
+             "a misspelt config key listed every allowed key without pointing at the one meant"),
 ]
 
 

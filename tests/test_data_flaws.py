@@ -90,6 +90,11 @@ def test_folder_problems_fail_in_one_sentence_with_the_findings_kept(flaw, workf
     assert res.returncode != 0 and "Traceback" not in out
     sentence = next(line for line in out.splitlines() if "Hydration check failed" in line)
     assert one_sentence(sentence) and str(folder) in sentence
+    # each problem with its fix, none hidden behind a count: the empty folder's class is also
+    # missing from val/
+    assert "add that folder with the class's images" in sentence and "more" not in sentence
+    if flaw == "empty class folder":
+        assert "2 problems: (1)" in sentence and "put the class's images in it" in sentence
     findings = workflow_copy / "results/hydration/local.findings.json"
     assert str(findings.relative_to(workflow_copy)) in sentence
     assert json.loads(findings.read_text())["verdict"] == "fail"  # kept after the failed job

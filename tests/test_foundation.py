@@ -104,6 +104,8 @@ def test_hydration_restores_released_files_when_asked(workflow_copy, lustre):
 
 BAD_CONFIGS = {
     "unknown key": ("hydration: {decode_smaple: 3}\n", ["decode_smaple", "hydration"]),
+    "misspelt key": ("memory: {max_bach: 32}\n", ["'max_bach'", "memory",
+                                                   "did you mean 'max_batch'?"]),
     "wrong type": ("hydration: {read_threads: many}\n", ["hydration.read_threads", "many"]),
     "zero count": ("hydration: {read_sample_files: 0}\n", ["hydration.read_sample_files"]),
     "negative count": ("clusters: {g5: {nodes: -2, gpus_per_node: 4, gpu_memory_gb: 24, "

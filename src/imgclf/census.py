@@ -145,8 +145,8 @@ def walk(root: str) -> Census:
         base = os.path.join(root, split)
         if not os.path.isdir(base):
             census.folder_problems.append(
-                f"{base} does not exist (`dataset.root` must hold train/<class>/ and "
-                f"val/<class>/)")
+                f"{base} does not exist: set `dataset.root` to the folder that holds "
+                f"train/<class>/ and val/<class>/")
             continue
         top = _visible(census, base)
         for e in top:
@@ -169,12 +169,15 @@ def folder_problems(census: Census) -> list[str]:
         for cls, entries in sorted(census.files[split].items()):
             if not entries:
                 folder = escape(os.path.join(census.root, split, cls))
-                problems.append(f"class folder {folder} holds no usable image")
+                problems.append(f"class folder {folder} holds no usable image: put the "
+                                f"class's images in it, or remove it")
     train, val = set(census.files["train"]), set(census.files["val"])
     for cls in sorted(train ^ val):
         have, lack = ("train", "val") if cls in train else ("val", "train")
         problems.append(f"class '{escape(cls)}' is in {have}/ but not in {lack}/ "
-                        f"({escape(os.path.join(census.root, lack, cls))} is missing)")
+                        f"({escape(os.path.join(census.root, lack, cls))} is missing): add that "
+                        f"folder with the class's images, or remove "
+                        f"{escape(os.path.join(census.root, have, cls))}")
     return problems
 
 

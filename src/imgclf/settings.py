@@ -29,13 +29,22 @@ def describe_validation_error(err) -> str:
             return f"Config error in `{where}`: {err.message}."
         place = f"in `{where}`" if where else "at the top level"
         return (f"Config error: unknown key {', '.join(repr(e) for e in extra)} {place} "
-                f"(allowed: {', '.join(allowed)}).")
+                f"({did_you_mean(extra, allowed)}allowed: {', '.join(allowed)}).")
     if err.validator in ("minimum", "exclusiveMinimum"):
         return f"Config error: `{where}` is {err.instance!r} but must be positive ({err.message})."
     if err.validator in ("anyOf", "oneOf"):
         forms = " or ".join(_describe_form(s) for s in err.schema[err.validator])
         return f"Config error: `{where}` = {err.instance!r} is not valid here (expected {forms})."
     return f"Config error: `{where}` = {err.instance!r}: {err.message}."
+
+
+def did_you_mean(unknown: list[str], allowed: list[str]) -> str:
+    """'did you mean 'epochs'? ' for each unknown key that an allowed key is close to (the
+    closest): a typo is then found in the sentence, not by reading the list of allowed keys."""
+    import difflib
+
+    guesses = [close[0] for key in unknown if (close := difflib.get_close_matches(key, allowed, 1))]
+    return f"did you mean {' and '.join(map(repr, guesses))}? " if guesses else ""
 
 
 def _describe_form(sub: dict) -> str:

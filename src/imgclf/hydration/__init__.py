@@ -35,6 +35,7 @@ from imgclf.provenance import (atomic_path, digest_file, digest_obj, write_artif
 
 log = logging.getLogger(__name__)
 SPLITS = census_.SPLITS
+LISTED_PROBLEMS = 5  # in the failure's sentence; the findings file has them all
 
 
 def check_expected(summary: dict, expected: dict) -> list[str]:
@@ -42,12 +43,12 @@ def check_expected(summary: dict, expected: dict) -> list[str]:
     for split in SPLITS:
         want, got = expected.get(f"expected_{split}"), summary["splits"][split]["files"]
         if want is not None and got != want:
-            problems.append(f"{split} has {got} usable images, expected {want} "
-                            f"(`dataset.expected_{split}`)")
+            problems.append(f"{split} has {got} usable images, expected {want}: complete "
+                            f"the data set, or correct `dataset.expected_{split}`")
         want, got = expected.get("expected_classes"), summary["splits"][split]["classes"]
         if want is not None and got != want:
-            problems.append(f"{split} has {got} classes, expected {want} "
-                            f"(`dataset.expected_classes`)")
+            problems.append(f"{split} has {got} classes, expected {want}: complete the "
+                            f"data set, or correct `dataset.expected_classes`")
     return problems
 
 
@@ -118,7 +119,9 @@ def judge(report: dict, cen: census_.Census, params: dict, floor_mb_s: float) ->
         reasons.append(f"{hsm['released']} of {hsm['files']} files are released (still in S3)")
     reasons += report["folder_problems"]
     if not cen.images() and not report["folder_problems"]:
-        reasons.append(f"no image file under {escape(report['root'])}/train and val")
+        reasons.append(f"no image file under {escape(report['root'])}/train and val: set "
+                       f"`dataset.root` to the folder that holds train/<class>/ and "
+                       f"val/<class>/")
     if report["bad_files"]["fails"]:
         reasons.append(bad_files_reason(report["bad_files"]))
     reasons += check_expected(report["census"], params)
@@ -134,10 +137,11 @@ def bad_files_reason(b: dict) -> str:
     first = b["examples"][0]
     if b["policy"] == "fail":
         return (f"{b['count']} unusable image files (first: {first['file']}, {first['reason']}) "
-                f"and `hydration.on_bad_files: fail`; set it to `exclude` to train without them")
+                f"and `hydration.on_bad_files: fail`: set it to `exclude` to train without them")
     return (f"{b['count']} of {b['of_images']} image files ({100 * b['fraction']:.3g} %) are "
             f"unusable (first: {first['file']}, {first['reason']}), more than "
-            f"`hydration.max_bad_fraction` = {b['max_fraction']}")
+            f"`hydration.max_bad_fraction` = {b['max_fraction']}: replace them, or raise it to "
+            f"train without them")
 
 
 def failure_sentence(report: dict, params: dict, findings) -> str:
@@ -148,10 +152,18 @@ def failure_sentence(report: dict, params: dict, findings) -> str:
         return (f"Hydration check failed: {hsm['released']} of {hsm['files']} files under {root} "
                 f"are released (only in S3); hydrate them with `{cmd}` or set "
                 f"`hydration.restore: true` to let the pipeline do it (findings: {findings}).")
-    more = len(report["reasons"]) - 1
-    also = f" and {more} more problem{'s' if more > 1 else ''}" if more else ""
-    return (f"Hydration check failed for {root}: {report['reasons'][0]}{also}; all findings are "
-            f"in {findings}.")
+    return (f"Hydration check failed for {root}: {listed_problems(report['reasons'])}; all "
+            f"findings are in {findings}.")
+
+
+def listed_problems(reasons: list[str], limit: int = LISTED_PROBLEMS) -> str:
+    """The first `limit` problems, numbered, each with its fix: a user who fixes only the first
+    of two would otherwise learn of the second from the next failed run."""
+    if len(reasons) == 1:
+        return reasons[0]
+    shown = "; ".join(f"({i}) {r}" for i, r in enumerate(reasons[:limit], 1))
+    more = len(reasons) - limit
+    return f"{len(reasons)} problems: {shown}" + (f"; and {more} more" if more > 0 else "")
 
 
 def write_excluded(path, cen: census_.Census) -> None:

@@ -172,11 +172,12 @@ def speed_problems(speed: dict, params: dict, floor_mb_s: float, cluster: str) -
     problems = []
     if speed["file_ms_median"] > params["max_file_ms"]:
         problems.append(f"reading one file takes {speed['file_ms_median']:.0f} ms (median), over "
-                        f"`hydration.max_file_ms` = {params['max_file_ms']} ms")
+                        f"`hydration.max_file_ms` = {params['max_file_ms']} ms: move the data to "
+                        f"faster storage, or raise the limit")
     speed["bandwidth_judged"] = speed["bytes"] >= params["bandwidth_sample_mb"] * 1e6
     if speed["bandwidth_judged"] and speed["mb_per_s"] < floor_mb_s:
         problems.append(f"read throughput {speed['mb_per_s']} MB/s is below the floor of "
-                        f"{floor_mb_s} MB/s (`clusters.{cluster}.min_read_mb_s` or "
-                        f"`hydration.min_read_mb_s`)")
+                        f"{floor_mb_s} MB/s: move the data to faster storage, or lower "
+                        f"`clusters.{cluster}.min_read_mb_s` or `hydration.min_read_mb_s`")
     return problems
 
