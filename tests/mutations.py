@@ -634,6 +634,16 @@ MUTATIONS = [
              '    threads = torch.get_num_threads() if cluster["accelerator"] == "gpu" else slurm_task.cpu_threads_per_rank(int(cluster["devices_per_node"]))\n',
              ('tests/test_slurm.py::test_a_gpu_rank_of_p4_computes_on_its_share_of_the_node_not_on_every_cpu',),
              "GPU training ranks kept the OMP_NUM_THREADS Snakemake exports (96 on p4) in a share of 12 CPUs"),
+    Mutation('memory-solve-without-job-limits', 'src/imgclf/memory/measure.py',
+             '    devices.log_limits(f"The memory solve of cluster {hw[\'name\']!r}",\n',
+             '    (f"The memory solve of cluster {hw[\'name\']!r}",\n',
+             ('tests/test_memory.py::test_the_measured_solve_logs_what_its_job_may_use',),
+             "the measured memory solve logged no job limits, unlike training, evaluation and the LR runs"),
+    Mutation('predict-without-job-limits', 'src/imgclf/predict.py',
+             '    devices.log_limits("Prediction", f"; it decodes with {workers} worker(s)")\n',
+             '',
+             ('tests/test_predict.py::test_predict_says_what_its_job_may_use',),
+             "imgclf predict logged no job limits, unlike training, evaluation and the LR runs"),
     # --- decoding and predict ---
     # --- the first hour ---
     Mutation('finetune-example-without-its-recipe', 'README.md',

@@ -481,6 +481,25 @@ def test_measured_mode_reads_memory_outside_the_allocator_after_a_step():
     assert "grew from 0.50 GB to 0.60 GB" in " ".join(m["events"])
 
 
+def test_the_measured_solve_logs_what_its_job_may_use(caplog):
+    """A solve that measures on a GPU (simulated) says in its log the CPUs and memory its job
+    may use, as training, evaluation and the LR runs do: a solve its scheduler killed or slowed
+    is explained by its own log."""
+    import logging
+
+    config = settings.load()
+    device = {"name": "simulated A10G", "total": 24e9, "outside_allocator": lambda: 0.5e9,
+              "step_factory": lambda *args: simulated_gpu(capacity=23.5e9)}
+    with caplog.at_level(logging.INFO, logger="imgclf.devices"):
+        memory.solve(config["memory"], RESNET50_AMP, settings.cluster(config, "g5"),
+                     loader_report("g5"), gpu_here=device)
+    limits = hardware.job_limits()
+    said = ("this machine's memory" if limits["memory_bytes"] is None
+            else f"{limits['memory_bytes'] / 1e9:.2f} GB")
+    assert (f"The memory solve of cluster 'g5': this job may use {limits['cpus']} CPU(s) and "
+            f"{said}; it measures on simulated A10G") in caplog.text
+
+
 def test_measured_mode_out_of_memory_at_warm_up_is_one_sentence():
     config = settings.load()
     device = {"name": "sim", "total": 24e9, "outside_allocator": lambda: 0.5e9,

@@ -207,6 +207,21 @@ def test_a_users_mistake_is_one_sentence(exported, tmp_path, monkeypatch, capsys
     assert not Path(out).exists()
 
 
+def test_predict_says_what_its_job_may_use(exported, tmp_path, monkeypatch, capsys):
+    """`imgclf predict` says on stderr (its log) the CPUs and memory its job may use and the
+    workers it decodes with, as every other stage says them."""
+    from imgclf import cli, hardware
+
+    monkeypatch.chdir(exported)
+    image = str(next((exported / val_folder(exported)).rglob("*.jpg")))
+    cli.main(["predict", MODEL, image, "--out", str(tmp_path / "p.csv"), "--workers", "0"])
+    limits = hardware.job_limits()
+    memory = ("this machine's memory" if limits["memory_bytes"] is None
+              else f"{limits['memory_bytes'] / 1e9:.2f} GB")
+    assert (f"Prediction: this job may use {limits['cpus']} CPU(s) and {memory}; it decodes "
+            f"with 0 worker(s)") in capsys.readouterr().err
+
+
 def validation_batch(work: Path, n: int) -> torch.Tensor:
     from imgclf import model_folder, predict
 

@@ -217,18 +217,29 @@ def check_share(plan, what: str, processes: int = 1) -> dict:
     to) against what its loader plan assumes, said in the log; a plan whose `processes` (the
     ranks of a node, which share a job's memory) need more memory than the job may use is
     refused in one sentence, as the job would be killed partway. Returns the limits."""
-    limits = hardware.job_limits()
-    cpus, memory, need = limits["cpus"], limits["memory_bytes"], plan.host_bytes_per_process
-    log.info("%s: this job may use %d CPU(s) and %s; its loader plan (%s) assumes %d worker(s)"
-             "%s", what, cpus, "this machine's memory" if memory is None
-             else f"{memory / hardware.GB:.2f} GB", plan.path, plan.num_workers,
-             "" if need is None else f" and {need / hardware.GB:.2f} GB per process")
+    need = plan.host_bytes_per_process
+    per_process = "" if need is None else f" and {need / hardware.GB:.2f} GB per process"
+    limits = log_limits(what, f"; its loader plan ({plan.path}) assumes {plan.num_workers} "
+                              f"worker(s){per_process}")
+    memory = limits["memory_bytes"]
     if memory is not None and need is not None and need * processes > memory:
         raise UserError(f"{what} may use {memory / hardware.GB:.2f} GB of memory but its loader "
                         f"plan ({plan.path}) needs {need * processes / hardware.GB:.2f} GB: "
                         f"lower `loader.ram_margin` (at most {hardware.JOB_MEM_FRACTION}, the "
                         f"share of `clusters.{plan.cluster}.ram_gb` its jobs ask for) and rerun "
                         f"the memory solve, or ask your scheduler for more memory.")
+    return limits
+
+
+def log_limits(what: str, beside: str = "") -> dict:
+    """Say in the log what stage `what` may use (hardware.job_limits), followed by `beside`
+    (what it assumes of them), and return the limits: a job killed or slowed by its
+    scheduler's limits is explained by its own log."""
+    limits = hardware.job_limits()
+    memory = limits["memory_bytes"]
+    log.info("%s: this job may use %d CPU(s) and %s%s", what, limits["cpus"],
+             "this machine's memory" if memory is None else f"{memory / hardware.GB:.2f} GB",
+             beside)
     return limits
 
 

@@ -202,6 +202,7 @@ def run(model_dir, paths, out_csv, top_k: int | None = None, batch_size: int | N
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     workers = default_workers(len(files), batch_size) if workers is None else int(workers)
+    devices.log_limits("Prediction", f"; it decodes with {workers} worker(s)")
     loader = data.loader(dataset, batch_size, workers, 2 if workers else None, shuffle=False,
                          pin_memory=device.type == "cuda")
     log.info("predicting %d file(s) with %s (%s, %d classes) on %s, batch %d, %d worker(s), "

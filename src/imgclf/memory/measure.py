@@ -304,6 +304,8 @@ def measure_here(memory, model, hw, recipe, num_classes, counts, estimate_batch,
     after a warm-up step at the model's smallest trainable batch (`model_profile`), once the
     handles and kernels a step loads exist, and again after the last step: the larger is
     reported. No step runs below that batch."""
+    devices.log_limits(f"The memory solve of cluster {hw['name']!r}",
+                       f"; it measures on {device['name']}")
     total = device["total"]
     step = device["step_factory"](model["arch"], num_classes, recipe,
                                   recipe.train_size(model["resolution"]),
