@@ -644,6 +644,11 @@ MUTATIONS = [
              '',
              ('tests/test_predict.py::test_predict_says_what_its_job_may_use',),
              "imgclf predict logged no job limits, unlike training, evaluation and the LR runs"),
+    Mutation('resume-after-a-broken-file-draws-afresh', 'src/imgclf/sampling.py',
+             'self._left_out = list(resume.get("left_out", now)) if same else now',
+             'self._left_out = now',
+             ('tests/test_resume.py::test_a_resume_after_a_broken_file_was_left_out_keeps_the_epochs_order',),
+             "a mid-epoch resume after a broken file was left out dealt a fresh permutation of the smaller data set: some files of the epoch trained twice, others never"),
     # --- decoding and predict ---
     # --- the first hour ---
     Mutation('finetune-example-without-its-recipe', 'README.md',

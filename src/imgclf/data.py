@@ -8,17 +8,18 @@ data through this module, so what is measured is what trains."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from imgclf import images, index, recipes
 from imgclf.errors import UserError
 from imgclf.census import walk
 from imgclf.artifacts import DECODERS
 from imgclf.settings import validate
+# the training's samplers and its loader that resumes mid-epoch (data.loader makes one)
+from imgclf.sampling import RepeatedAugSampler, ResumableLoader, ResumableSampler  # noqa: F401
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 MEAN_FILL = tuple(round(255 * m) for m in MEAN)  # uint8 fill of geometric augmentations
@@ -301,110 +302,6 @@ class ExitWithProcess:
         while self._owner_alive():
             time.sleep(1)
         os._exit(1)
-
-
-class ResumableLoader(DataLoader):
-    """A training loader that takes up an epoch where a checkpoint left it, on every rank.
-
-    Lightning stores the state_dict() of a training loader that has one in the checkpoint
-    (loops/fit_loop.py, on_save_checkpoint) and, resuming an unfinished epoch, gives it to
-    load_state_dict() before it makes the epoch's iterator (setup_data); it restores its own
-    batch count, so batch_idx goes on from there (loops/training_epoch_loop.py, reset). The
-    state is the epoch and the batches handed out in it; the resumed iterator has the sampler
-    (a ResumableSampler) begin that many batches into the same epoch's order, so the rest of
-    the epoch is what an uninterrupted one would draw, none again and none left out (a save
-    counts the batches Lightning took: with a length known it fetches no batch ahead,
-    loops/fetchers.py). A state of another epoch than the one resumed is not applied.
-
-    The iterator starts at the first batch asked for, not at iter(): Lightning makes a run's
-    first iterator before it sets the sampler's epoch (fit_loop.py, setup_data, then
-    on_advance_start), and with workers the sampler is drawn at once, so a resumed run's first
-    epoch would be drawn in epoch 0's order."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._epoch, self._handed, self._resume = 0, 0, None
-
-    def __iter__(self):
-        return self._batches()
-
-    def _batches(self):
-        resume, self._resume = self._resume, None
-        self._epoch = self.sampler.epoch
-        self._handed = resume["batches"] if resume and resume["epoch"] == self._epoch else 0
-        self.sampler.skip(self._handed * self.batch_size)
-        for batch in super().__iter__():
-            self._handed += 1
-            yield batch
-
-    def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "batches": self._handed}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._resume = dict(state_dict)
-
-
-class ResumableSampler(DistributedSampler):
-    """A DistributedSampler whose next pass can begin part way into its epoch's order (a
-    training resumed mid-epoch: ResumableLoader). The training gives it with the arguments
-    Lightning would give the one it adds (train.module.ImageData), so the order is the same;
-    Lightning uses a DistributedSampler as it is."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._skip = 0
-
-    def skip(self, samples: int) -> None:
-        """Begin the next pass `samples` indices into this epoch's order (that pass only)."""
-        self._skip = samples
-
-    def __iter__(self):
-        skip, self._skip = self._skip, 0
-        return itertools.islice(self.order(), skip, None)
-
-    def order(self):
-        """This rank's indices of the epoch, from its start."""
-        return super().__iter__()
-
-
-class RepeatedAugSampler(ResumableSampler):
-    """Repeated augmentation (Hoffer et al. 2020; DeiT's RASampler, torchvision's
-    references/classification/sampler.py): each epoch draws a shuffled prefix of the data set
-    with every image repeated `reps` times in a row, dealt round-robin to the ranks, so the
-    copies of an image land on different ranks (when reps <= world) and are augmented
-    differently; an epoch stays ceil(len(dataset) / num_replicas) images per rank, i.e. about
-    len(dataset) / reps distinct images per epoch.
-
-    The sampling is timm's maintained `timm.data.distributed_sampler.RepeatAugSampler`, with
-    `selected_round=0` (timm and torchvision round the data set down to a multiple of 256
-    first, which drops 232 of a 1,000-image set) and its epoch seed offset by `seed`. It is
-    a DistributedSampler so that Lightning uses it as it is instead of wrapping it in a
-    DistributedSamplerWrapper; Lightning calls `set_epoch` every epoch. A ResumableSampler,
-    for a training resumed mid-epoch."""
-
-    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True,
-                 seed: int = 0, reps: int = 3):
-        from timm.data.distributed_sampler import RepeatAugSampler
-
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed, drop_last=False)
-        if int(reps) < 1:
-            raise ValueError(f"reps is {reps}: at least 1 copy of each image")
-        self.reps = int(reps)
-        self._sampler = RepeatAugSampler(dataset, num_replicas=num_replicas, rank=rank,
-                                         shuffle=shuffle, num_repeats=self.reps,
-                                         selected_round=0)
-        self.set_epoch(0)
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self._sampler.set_epoch(self.seed + epoch)
-
-    def order(self):
-        return iter(self._sampler)
-
-    def __len__(self) -> int:
-        return len(self._sampler)
 
 
 def batch_mixer(recipe, num_classes: int):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from imgclf.errors import UserError
 from imgclf.provenance import atomic_path
@@ -106,6 +106,9 @@ class Index:
     max_image_pixels: int | None
     body: bytes
     starts: "np.ndarray"  # offset of each line in `body`, and one past the last line's end
+    # where the files `without` left out were in the index as written (sorted): what a training
+    # resumed mid-epoch keeps its epoch's order by (imgclf.sampling)
+    left_out: tuple[int, ...] = ()
 
     @classmethod
     def from_lines(cls, path, root, split, classes, counts, lines: list[str],
@@ -190,14 +193,20 @@ def add_bad_file(path, shown: str) -> None:
 
 def without(index: Index, bad: set[str]) -> Index:
     """The index less the files in `bad` (paths as the index makes them), e.g. files found
-    broken in training."""
+    broken in training, with where they were in the index as written (`left_out`)."""
+    import numpy as np
+
     if not bad:
         return index
-    kept, counts, i = [], [], 0
+    kept, counts, dropped, i = [], [], [], 0
     for n in index.counts:
-        lines = [index.line(j) for j in range(i, i + n) if index.file(j) not in bad]
-        kept += lines
-        counts.append(len(lines))
+        before = len(kept)
+        for j in range(i, i + n):
+            (dropped if index.file(j) in bad else kept).append(j)
+        counts.append(len(kept) - before)
         i += n
-    return Index.from_lines(index.path, index.root, index.split, index.classes, counts, kept,
-                            index.max_image_pixels)
+    kept = [index.line(j) for j in kept]
+    written = np.delete(np.arange(len(index) + len(index.left_out)), index.left_out)
+    return replace(Index.from_lines(index.path, index.root, index.split, index.classes, counts,
+                                    kept, index.max_image_pixels),
+                   left_out=tuple(sorted([*index.left_out, *map(int, written[dropped])])))

@@ -34,7 +34,16 @@ def data_input(wildcards):
 
 # What every stage that reads the data set's images runs: a rule lists these and the modules of
 # its own (tests/test_structure.py derives each rule's list from its stage's imports)
-READS_IMAGES = ("data", "images", "index", "census", "recipes", "artifacts", "hardware")
+READS_IMAGES = (
+    "data",
+    "sampling",
+    "images",
+    "index",
+    "census",
+    "recipes",
+    "artifacts",
+    "hardware",
+)
 # What every stage that starts the model from `model.init_from` runs to load the weights
 STARTS_FROM_WEIGHTS = ("weights", "model_folder")
 # What every job that runs `imgclf train` runs: training, an LR validation run, a batch-curve run
