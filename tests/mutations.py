@@ -612,6 +612,16 @@ MUTATIONS = [
              "a training that resumes after an image broke must leave out the files the stopped "
              "attempt listed, or it stops on the same image again"),
     # --- export ---
+    Mutation('export-replaces-any-folder', 'src/imgclf/model_folder.py',
+             '    if not names or (not foreign and is_export(folder)):',
+             '    if True:',
+             ('tests/test_export.py::test_a_folder_of_other_files_is_refused_and_left_as_it_was',),
+             "`imgclf export --out-dir ~/models` deleted the notes and other projects' weights in the folder"),
+    Mutation('export-describes-the-configs-recipe', 'src/imgclf/export.py',
+             '    return recipes.get(name)\n',
+             '    return recipes.get(model_cfg["recipe"])\n',
+             ('tests/test_export.py::test_the_export_describes_the_recipe_the_checkpoint_trained_with',),
+             "model.json gave the preprocessing of the recipe the config names, not the one the checkpoint trained with"),
     # --- init_from ---
     # --- the GPU locks, threads and job limits ---
     Mutation('gpu-lock-followed-through-a-link', 'src/imgclf/devices.py',

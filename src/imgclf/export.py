@@ -10,10 +10,12 @@ predict with it, with or without this package.
   recorded);
 - `model.pt2`: the same network as a `torch.export` program (`torch.export.load`);
 - `model.json`: the classes in index order, the preprocessing (resize, crop, scale, mean, std:
-  evaluation's), the decoder evaluation used, the architecture, the validation top-1 and top-5
-  and the training it came from.
+  evaluation's, of the recipe the checkpoint trained with), the decoder evaluation used, the
+  architecture, the validation top-1 and top-5 and the training it came from.
 
-The folder is written beside its final place and renamed into it: a failed export leaves none."""
+The folder is written beside its final place and swapped into it at the end: a failed export
+leaves the earlier one as it was. It replaces only an earlier export, or an empty folder, never
+a folder with files of the user's (model_folder.check_replaceable)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from imgclf import artifacts, data, evaluate, provenance, recipes
+from imgclf import artifacts, data, evaluate, model_folder, provenance, recipes
 from imgclf.artifacts import Plan
 from imgclf.model_folder import FILES, FORMAT
 from imgclf.progress import progress
@@ -44,12 +46,12 @@ def sha256(path) -> str:
     return h.hexdigest()
 
 
-def preprocessing(model_cfg: dict, decoder: str, max_image_pixels: int | None) -> dict:
+def preprocessing(recipe: recipes.Recipe, resolution: int, decoder: str,
+                  max_image_pixels: int | None) -> dict:
     """Evaluation's preprocessing, as a user without this package repeats it: decode to RGB
     (refusing images above the pixel limit the hydration check applied), resize the shorter
     side, center-crop, scale to [0, 1], normalise, NCHW float32."""
-    recipe = recipes.get(model_cfg["recipe"])
-    resize, crop = recipe.val_sizes(int(model_cfg["resolution"]))
+    resize, crop = recipe.val_sizes(resolution)
     return {"channels": "RGB", "resize_shorter_side": resize, "center_crop": crop,
             "interpolation": recipe.interpolation, "antialias": True, "scale": 1 / 255,
             "mean": list(data.MEAN), "std": list(data.STD), "layout": "NCHW",
@@ -118,15 +120,26 @@ def check_onnx(model: torch.nn.Module, onnx_path: Path, dataset, limit: int | No
             "precision": "32"}
 
 
+def trained_recipe(ckpt: dict, model_cfg: dict, checkpoint) -> recipes.Recipe:
+    """The recipe the checkpoint trained with (its hyper-parameters name it), whose evaluation
+    preprocessing the model expects, whatever `model.recipe` names now."""
+    name = ckpt["hyper_parameters"]["recipe"]
+    if name != model_cfg["recipe"]:
+        log.info("%s trained with recipe %s (`model.recipe` is %s now): the export describes "
+                 "and checks %s's preprocessing", checkpoint, name, model_cfg["recipe"], name)
+    return recipes.get(name)
+
+
 def describe(ckpt: dict, model_cfg: dict, plan: Plan, evaluation: dict, graphs: dict,
-             check: dict, weights_sha: str, training: dict, max_image_pixels) -> dict:
+             check: dict, weights_sha: str, training: dict, max_image_pixels,
+             recipe: recipes.Recipe) -> dict:
     hp = ckpt["hyper_parameters"]
-    recipe = recipes.get(model_cfg["recipe"])
     arch, classes = hp["arch"], list(hp["classes"])
+    resolution = int(model_cfg["resolution"])
     return {
         "format": FORMAT, "arch": arch, "num_classes": len(classes), "classes": classes,
-        "input_size": int(model_cfg["resolution"]),
-        "preprocessing": preprocessing(model_cfg, plan.decoder, max_image_pixels),
+        "input_size": resolution,
+        "preprocessing": preprocessing(recipe, resolution, plan.decoder, max_image_pixels),
         "channels_last": bool(model_cfg["channels_last"]),
         "trained_precision": str(model_cfg["precision"]),
         "validation": {"top1": evaluation["top1"], "top5": evaluation["top5"],
@@ -158,21 +171,22 @@ def training_record(checkpoint, summary_path) -> dict:
 def run(model: dict, export: dict, cluster: str, checkpoint, evaluation_path, summary_path,
         memory_path, val_index, out_dir) -> dict:
     """Write results/export/{cluster}/: the weights, the ONNX model (checked), the torch.export
-    program and model.json, into a folder beside `out_dir` renamed into place at the end."""
+    program and model.json, into a folder beside `out_dir` swapped into place at the end."""
     model_cfg, export_cfg = model, export
+    out = Path(out_dir)
+    model_folder.check_replaceable(out)
     plan = Plan.read(memory_path, cluster)
     evaluation = artifacts.read(evaluation_path, "Evaluation", f"run `snakemake {evaluation_path}`")
     ckpt = evaluate.load_checkpoint(checkpoint)
+    recipe = trained_recipe(ckpt, model_cfg, checkpoint)
     model = evaluate.load_model(ckpt, {**model_cfg, "channels_last": False}, checkpoint,
                                 torch.device("cpu"))
-    out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_weights(model, tmp / FILES["weights"])
         graphs = export_graphs(model, int(model_cfg["resolution"]), tmp)
-        dataset = data.val_dataset(val_index, plan.decoder, int(model_cfg["resolution"]),
-                                   recipes.get(model_cfg["recipe"]))
+        dataset = data.val_dataset(val_index, plan.decoder, int(model_cfg["resolution"]), recipe)
         check = check_onnx(model, tmp / FILES["onnx"], dataset, export_cfg["check_images"],
                            plan.num_workers)
         log.info("ONNX check on %d validation images: top-1 agrees on %.4f of them, largest "
@@ -181,14 +195,12 @@ def run(model: dict, export: dict, cluster: str, checkpoint, evaluation_path, su
         described = describe(ckpt, model_cfg, plan, evaluation, graphs, check,
                              sha256(tmp / FILES["weights"]),
                              training_record(checkpoint, summary_path),
-                             dataset.index.max_image_pixels)
+                             dataset.index.max_image_pixels, recipe)
         provenance.write_artifact(tmp / FILES["description"], described,
                                   config_slice={"model": model_cfg, "export": export_cfg},
                                   inputs=[str(checkpoint), str(evaluation_path), str(val_index)])
         os.chmod(tmp, 0o777 & ~provenance.umask())  # mkdtemp's 0700, as mkdir would make it
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        model_folder.put_in_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
