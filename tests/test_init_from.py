@@ -7,6 +7,7 @@ loaded."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -139,6 +140,66 @@ def test_another_architecture_is_one_sentence_naming_tensor_shapes_file_and_keys
     with pytest.raises(UserError) as err:
         weights.load_into(resnet18(), str(missing), "resnet18")
     assert one_sentence(str(err.value)) and str(missing) in str(err.value)
+
+
+def trained_a_step(net):
+    """`net` and an SGD optimizer with momentum after one step: the optimizer state a training
+    script's checkpoint holds (tensors by parameter index, plain values in param_groups)."""
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_timm_and_torchvision_training_checkpoints_load_their_ema(tmp_path, source):
+    """The checkpoints of timm's train.py (written by its timm.utils.CheckpointSaver) and of
+    torchvision's references/classification/train.py carry the script's `args`, an
+    argparse.Namespace, beside the weights, the optimizer and the scheduler. Both load; where the
+    script kept an EMA of the weights, the average is what starts the model (timm's own
+    loader's choice), and the live weights where it kept none."""
+    from timm.utils import CheckpointSaver, ModelEmaV3
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    live = resnet18(seed=2)
+    args = argparse.Namespace(model="resnet18", lr=0.1, epochs=3, model_ema=True, amp=False)
+    ema = ModelEmaV3(live)
+    ema.module.load_state_dict(source)
+    folder = tmp_path / "timm"
+    folder.mkdir()
+    saver = CheckpointSaver(live, trained_a_step(live), args=args, model_ema=ema,
+                            checkpoint_dir=str(folder), recovery_dir=str(folder))
+    saver.save_checkpoint(epoch=3, metric=50.0)
+    net = resnet18()
+    assert weights.load_into(net, str(folder / "last.pth.tar"),
+                             "resnet18")["wrapper"] == "state_dict_ema"
+    assert same(net.state_dict(), source, source)
+
+    # torchvision's script: utils.ExponentialMovingAverage is an AveragedModel of the model
+    # (keys under `module.`, plus its n_averaged), saved as "model_ema"
+    model = resnet18(seed=2)
+    optimizer = trained_a_step(model)
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99), use_buffers=True)
+    averaged.module.load_state_dict(source)
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                  "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 30).state_dict(),
+                  "epoch": 3, "args": args}
+    for name, extra, expected in (("model_3.pth", {"model_ema": averaged.state_dict()}, source),
+                                  ("checkpoint.pth", {}, model.state_dict())):
+        torch.save({**checkpoint, **extra}, tmp_path / name)
+        net = resnet18()
+        report = weights.load_into(net, str(tmp_path / name), "resnet18")
+        assert report["wrapper"] == ("model_ema" if extra else "model"), report
+        assert same(net.state_dict(), expected, source), name
+
+
+def test_a_text_or_html_file_is_one_sentence(tmp_path):
+    """A page saved instead of the download, or any other file that is no weights file."""
+    for name, text in (("notes.pth", "the weights are on the shared drive\n"),
+                       ("resnet18.pth", "<!DOCTYPE html><html><body>Sign in</body></html>\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(UserError) as err:
+            weights.load_into(resnet18(), str(tmp_path / name), "resnet18")
+        assert one_sentence(str(err.value)) and str(tmp_path / name) in str(err.value), err.value
 
 
 def test_a_file_changed_after_planning_is_refused(tmp_path, source):
@@ -304,3 +365,39 @@ def test_the_lr_runs_start_from_the_weights(demo_run, tmp_path):
     log = (work / "logs/lr/local/run0.log").read_text()
     assert (f"init_from {weights_file}: loaded 120 of the model's 122 tensors; reset 2 (7 "
             f"classes in the file, 10 here): fc.weight, fc.bias") in log, log[-3000:]
+
+
+def refusal(demo_run, tmp_path, init_from: str):
+    """A dry run of the whole workflow on the shared demo run with `model.init_from` set: the
+    output, after checking that it stopped with no traceback. A config refused at validation
+    writes nothing, so the run is shared, not copied."""
+    edit = tmp_path / f"init{len(list(tmp_path.glob('init*.yaml')))}.yaml"
+    edit.write_text(f"model: {{init_from: {init_from}}}\n")
+    res = snakemake(demo_run, "--dry-run", "--configfile", str(edit))
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "Traceback" not in out, out[-3000:]
+    return out
+
+
+def test_the_entrys_own_checkpoints_are_refused_before_training_deletes_them(demo_run,
+                                                                              tmp_path):
+    """`best.ckpt` and `checkpoints/last.ckpt` of the entry being trained: the new params would
+    rerun its training, and Snakemake deletes a job's outputs before it starts, so the run
+    would fail on the file it just deleted (and, for last.ckpt, the next call on the missing
+    file). Both are refused in one sentence before anything runs, and the files stay."""
+    for given in ("results/train/local/best.ckpt",
+                  str(demo_run / "results/train/local/checkpoints/last.ckpt")):
+        out = refusal(demo_run, tmp_path, given)
+        line = next(x for x in out.splitlines() if "init_from" in x)
+        assert "cycle" in line and "copy it elsewhere" in line and one_sentence(line), out
+        assert (demo_run / given).is_file()
+
+
+def test_an_unreadable_file_stops_the_workflow_with_one_sentence_once(demo_run, tmp_path):
+    """A text file as `model.init_from`: the workflow stops while it validates the config,
+    with the one sentence once, not one traceback per job that would load it."""
+    notes = tmp_path / "resnet18.pth"
+    notes.write_text("the weights are on the shared drive\n")
+    out = refusal(demo_run, tmp_path, str(notes))
+    lines = [x for x in out.splitlines() if "cannot be read as weights" in x]
+    assert len(lines) == 1 and one_sentence(lines[0]) and str(notes) in lines[0], out

@@ -93,11 +93,11 @@ def model_with_weights(config: dict, cluster_name: str) -> dict:
     noise scale, the batch curve's range tests and every `imgclf train`): `init_from`, where
     set, as its path and the sha256 of its weights (weights.params_entry), so that a changed
     file reruns them; absent where unset, so that a config without it plans what it planned
-    before the key existed. Training cluster `cluster_name` from its own export is refused."""
+    before the key existed. Training cluster `cluster_name` from its own outputs is refused."""
     model = model_without_weights(config)
     init = config["model"].get("init_from")
     if init is not None:
-        weights.refuse_own_export(weights.spec_path(init), cluster_name)
+        weights.refuse_own_output(weights.spec_path(init), cluster_name)
         model["init_from"] = weights.params_entry(init)
     return model
 

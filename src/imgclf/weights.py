@@ -1,13 +1,16 @@
 """Starting a model from weights a user already has (`model.init_from`).
 
 What it reads: a torchvision or timm weights file as users download them (a `.pth`/`.pt` state
-dict, loaded with torch's `weights_only=True`, or a `.safetensors` file); an export folder of
-this pipeline (its `model.safetensors`, and the classes its `model.json` names); or one of this
-pipeline's Lightning checkpoints (`best.ckpt`, `last.ckpt`: "state_dict" with keys under
-`model.`, "hyper_parameters" with the classes). A dict wrapping the weights ("state_dict_ema",
-"model_ema", "state_dict", "model": timm's order of preference) is opened, and the prefixes of
-DDP (`module.`), of a LightningModule (`model.`) and of torch.compile (`_orig_mod.`) are
-dropped.
+dict, loaded with torch's `weights_only=True`, or a `.safetensors` file); the checkpoints of
+timm's train.py and torchvision's reference train.py (their `args`, an argparse.Namespace, is
+allowed to the unpickler); an export folder of this pipeline (its `model.safetensors`, and the
+classes its `model.json` names); or a Lightning checkpoint of another run of this pipeline
+(`best.ckpt`, `last.ckpt`: "state_dict" with keys under `model.`, "hyper_parameters" with the
+classes). A dict wrapping the weights ("state_dict_ema", "model_ema", "state_dict", "model":
+timm's order of preference, so an EMA average wins over the live weights it was kept beside)
+is opened, and the prefixes of DDP and of torchvision's EMA (`module.`), of a LightningModule
+(`model.`) and of torch.compile (`_orig_mod.`) are dropped. The outputs of the entry being
+trained are refused (`own_output`), and validation reads the file once (`check`).
 
 How it loads (`load_into`): every tensor of the model whose name and shape the file has is
 loaded; the classification head keeps its fresh initialisation when the file's class count (or
@@ -22,11 +25,12 @@ Snakemake evaluates the params of every job."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
 import os
-import pickle
+import re
 from pathlib import Path
 
 from imgclf.errors import UserError
@@ -37,7 +41,7 @@ log = logging.getLogger(__name__)
 KEY = "model.init_from"
 EXPORT_WEIGHTS = FILES["weights"]  # in an export folder, with the architecture's own names
 EXPORT_META = FILES["description"]
-EXPORT_DIR = "results/export"  # where this workflow's export rule writes results/export/{cluster}
+RESULTS = "results"  # where this workflow writes, results/<stage>/{cluster}/ among others
 # dicts that wrap the weights, in the order timm's load_state_dict prefers them
 WRAPPERS = ("state_dict_ema", "model_ema", "state_dict", "model")
 # prefixes of DDP, a LightningModule's attribute and torch.compile's wrapper
@@ -99,37 +103,84 @@ def params_entry(init_from) -> dict | None:
     return {"path": os.path.normpath(path), "sha256": file_digest(weights_file(path))}
 
 
-def own_export(path, cluster: str) -> bool:
-    """Whether `path` is this workflow's export of entry `cluster` (the folder or a file in
-    it), as the export rule writes it: results/export/{cluster}, relative to the working
-    directory."""
-    target = (Path(EXPORT_DIR) / cluster).resolve()
+def own_output(path, cluster: str) -> bool:
+    """Whether `path` is in a folder this workflow writes for entry `cluster`,
+    results/<stage>/{cluster} (the export, the training's best.ckpt and checkpoints/last.ckpt,
+    the LR validation's and the batch curve's runs), relative to the working directory: a run
+    that starts from it reruns the job that writes it, and Snakemake deletes a job's outputs
+    before the job starts."""
+    results = Path(RESULTS).resolve()
     p = Path(path).resolve()
-    return p == target or target in p.parents
+    if results not in p.parents:
+        return False
+    parts = p.relative_to(results).parts
+    return len(parts) >= 2 and parts[1] == cluster
 
 
-def refuse_own_export(path, cluster: str) -> None:
-    """A UserError when `path` is the export of the entry it would train: a cycle."""
-    if path is not None and own_export(path, cluster):
-        raise UserError(f"`{KEY}` {path} is this workflow's own export of cluster {cluster!r}, "
-                        f"which its training writes (a cycle): copy the export elsewhere and "
-                        f"point `{KEY}` at the copy, or remove the key.")
+def refuse_own_output(path, cluster: str) -> None:
+    """A UserError when `path` is an output of the entry it would train: a cycle."""
+    if path is not None and own_output(path, cluster):
+        raise UserError(f"`{KEY}` {path} is this workflow's own output for cluster {cluster!r}, "
+                        f"which the run that starts from it rewrites (a cycle): copy it "
+                        f"elsewhere first and point `{KEY}` at the copy, or remove the key.")
+
+
+_READABLE: set[tuple] = set()
 
 
 def check(init_from, cluster: str) -> None:
-    """Config validation: no cycle through the entry's own export, and the file there."""
+    """Config validation: no cycle through the entry's own outputs, and a file there that
+    reads as weights. Validation runs once when Snakemake builds its DAG, so a file that cannot
+    be read stops the workflow with one sentence before any job starts (each job would say it
+    again); the read is done once per process for each (file, size, mtime)."""
     path = spec_path(init_from)
-    if path is not None:
-        refuse_own_export(path, cluster)
-        weights_file(path)
+    if path is None:
+        return
+    refuse_own_output(path, cluster)
+    f = weights_file(path).resolve()
+    st = f.stat()
+    key = (str(f), st.st_size, st.st_mtime_ns)
+    if key not in _READABLE:
+        read(path)
+        _READABLE.add(key)
 
 
 # --- reading ------------------------------------------------------------------------------------
 
+# What a training script's checkpoint holds beside tensors and plain values, allowed to
+# torch.load's weights_only unpickler: the `args` (argparse.Namespace) that timm's train.py
+# (timm.utils.CheckpointSaver) and torchvision's references/classification/train.py save. A
+# Namespace is rebuilt from its attributes only and runs no code of its own.
+TRUSTED = (argparse.Namespace,)
+REFUSED = re.compile(r"Unsupported global: GLOBAL (\S+)")
+
+
 def _unreadable(f: Path, e: BaseException) -> UserError:
-    return UserError(f"`{KEY}` {f} cannot be read as weights ({type(e).__name__}): point it at a "
-                     f"state dict saved with torch.save (.pth, .pt), a .safetensors file, an "
-                     f"export folder or a checkpoint of this pipeline.")
+    """The sentence for a file torch or safetensors cannot read: garbage makes the unpickler
+    raise almost any error (a text file: KeyError), a pickled class outside TRUSTED an
+    UnpicklingError that names it (a whole model saved with torch.save(model))."""
+    if refused := REFUSED.search(str(e)):
+        return UserError(f"`{KEY}` {f} cannot be read as weights (it holds a "
+                         f"{refused.group(1)}, code that loading weights never runs): save the "
+                         f"network's state_dict() with torch.save and point `{KEY}` at that "
+                         f"file.")
+    return UserError(f"`{KEY}` {f} cannot be read as weights ({type(e).__name__}): point it at "
+                     f"a torchvision or timm weights file or training checkpoint (.pth, .pt, "
+                     f".pth.tar), a .safetensors file, an export folder or a checkpoint of "
+                     f"this pipeline.")
+
+
+def _load(f: Path):
+    """The file's contents: safetensors' tensors, or torch.load's with weights_only=True and
+    the TRUSTED classes allowed."""
+    if f.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(f), device="cpu")
+    import torch
+
+    with torch.serialization.safe_globals(list(TRUSTED)):
+        return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def read(path) -> tuple[dict, dict]:
@@ -139,24 +190,16 @@ def read(path) -> tuple[dict, dict]:
 
     f = weights_file(path)
     info: dict = {"file": str(f), "wrapper": None, "prefixes": [], "classes": None}
-    if f.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
+    try:
+        obj = _load(f)
+    except Exception as e:  # an unpickler fed garbage raises whatever it trips on
+        raise _unreadable(f, e) from None
+    meta = f.parent / EXPORT_META
+    if f.name == EXPORT_WEIGHTS and meta.is_file():
         try:
-            obj = load_file(str(f), device="cpu")
-        except Exception as e:  # safetensors raises its own error type for a foreign file
-            raise _unreadable(f, e) from None
-        meta = f.parent / EXPORT_META
-        if f.name == EXPORT_WEIGHTS and meta.is_file():
-            try:
-                info["classes"] = json.loads(meta.read_text()).get("classes")
-            except (ValueError, AttributeError):
-                pass
-    else:
-        try:
-            obj = torch.load(f, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as e:
-            raise _unreadable(f, e) from None
+            info["classes"] = json.loads(meta.read_text()).get("classes")
+        except (ValueError, AttributeError):
+            pass
     if isinstance(obj, dict):
         hp = obj.get("hyper_parameters")
         if isinstance(hp, dict) and isinstance(hp.get("classes"), (list, tuple)):
