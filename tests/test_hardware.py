@@ -41,7 +41,7 @@ def locks_removed():
     from imgclf import devices
 
     for gpu in GPUS:
-        (devices.LOCK_DIR / f"{gpu['uuid']}.lock").unlink(missing_ok=True)
+        devices.lock_path(gpu["uuid"]).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -563,7 +563,7 @@ def test_the_lock_folder_and_its_files_are_writable_by_every_user_under_umask_02
     before = os.umask(0o022)
     try:
         folder = devices.lock_dir()
-        fd, _ = devices._open_lock(folder / "GPU-test.lock")
+        fd, _ = devices._open_lock(devices.lock_path("GPU-test"))
     finally:
         os.umask(before)
     mode = os.fstat(fd).st_mode
@@ -645,7 +645,7 @@ def test_a_lock_file_another_user_left_read_only_is_one_sentence(nvidia_smi):
     if os.getuid() != 0:
         pytest.skip("starts a second user, which takes root")
     shared = Path(tempfile.mkdtemp(prefix="imgclf-users-"))
-    locks = [devices.lock_dir() / f"{gpu['uuid']}.lock" for gpu in GPUS]
+    locks = [devices.lock_path(gpu["uuid"]) for gpu in GPUS]
     try:
         shared.chmod(0o755)
         for lock in locks:
@@ -680,7 +680,7 @@ def test_a_lock_file_another_user_linked_to_your_file_leaves_it_untouched(
         pytest.skip("starts a second user, which takes root")
     precious = tmp_path / "results.txt"
     precious.write_text("root data that matters\n")
-    lock = devices.lock_dir() / f"{GPUS[0]['uuid']}.lock"
+    lock = devices.lock_path(GPUS[0]["uuid"])
     subprocess.run([*SECOND_USER, "ln", "-s", str(precious), str(lock)], check=True)
     assert lock.lstat().st_uid == 65534
     with pytest.raises(hardware.UserError) as err:
@@ -690,24 +690,57 @@ def test_a_lock_file_another_user_linked_to_your_file_leaves_it_untouched(
     assert f"`rm {lock}`" in str(err.value)
 
 
+@pytest.mark.slow
+def test_a_user_claims_gpus_after_another_users_job_made_the_first_locks(nvidia_smi):
+    """No root at hand, as on a shared GPU node: another user's job claims a GPU first, making
+    whatever the locks need; this user's job then claims the other GPU, not a sentence saying
+    the lock folder belongs to someone else (the first user's job made it)."""
+    import subprocess
+    import sys
+
+    if os.getuid() != 0:
+        pytest.skip("starts a second user, which takes root")
+    shared = Path(tempfile.mkdtemp(prefix="imgclf-users-"))
+    shared.chmod(0o755)
+    spec = shared / "gpus.json"
+    spec.write_text(json.dumps(GPUS[:2]))
+    spec.chmod(0o644)
+    env = {**os.environ, "NVIDIA_SMI_STUB": str(spec)}
+    jobs, claimed = [], []
+    try:
+        for user in (SECOND_USER, []):
+            jobs.append(subprocess.Popen([*user, sys.executable, "-c", CLAIM, "1"], env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True))
+            line = jobs[-1].stdout.readline()
+            assert line, jobs[-1].stderr.read()
+            claimed.append(json.loads(line)["claimed"])
+    finally:
+        for job in jobs:
+            job.kill()
+        shutil.rmtree(shared, ignore_errors=True)
+    assert claimed == [[GPUS[0]["uuid"]], [GPUS[1]["uuid"]]]
+
+
 @pytest.mark.parametrize("made", ["world-writable, not sticky", "by another user", "a link"])
 def test_a_lock_folder_another_user_could_swap_files_in_is_one_sentence(
         nvidia_smi, claims_undone, tmp_path, made):
     """A lock folder found writable by all without the sticky bit, owned by another user
-    (not root), or a symbolic link: the claim stops in one sentence naming the folder and the
-    fix, before it opens any lock file there."""
+    (not root), or a symbolic link another user made: the claim stops in one sentence naming
+    the folder and the fix, before it opens any lock file there."""
     from imgclf import devices
 
     folder = devices.LOCK_DIR
+    if made != "world-writable, not sticky" and os.getuid() != 0:
+        pytest.skip("gives the folder to a second user, which takes root")
     if made == "a link":
         (tmp_path / "elsewhere").mkdir(mode=0o1777)
         folder.symlink_to(tmp_path / "elsewhere")
+        os.lchown(folder, 65534, 65534)
     else:
         folder.mkdir()
         folder.chmod(0o777 if made.startswith("world") else 0o1777)
         if made == "by another user":
-            if os.getuid() != 0:
-                pytest.skip("gives the folder to a second user, which takes root")
             os.chown(folder, 65534, 65534)
     with pytest.raises(hardware.UserError) as err:
         devices.claim_gpus(1, "test job", poll_s=0.2)
@@ -718,6 +751,22 @@ def test_a_lock_folder_another_user_could_swap_files_in_is_one_sentence(
     assert one_sentence(sentence) and sentence.startswith(f"The GPU lock folder {folder} ")
     assert fix in sentence, sentence
     assert not any(folder.iterdir()), "a lock file was made there"
+
+
+def test_a_lock_folder_that_is_roots_link_to_a_sticky_folder_is_used(
+        nvidia_smi, claims_undone, tmp_path):
+    """/tmp is root's link to another folder on some systems: the claim locks there, as no
+    other user can point the link elsewhere."""
+    from imgclf import devices
+
+    if os.getuid() != 0:
+        pytest.skip("root's own link takes root")
+    (tmp_path / "elsewhere").mkdir(mode=0o1777)
+    devices.LOCK_DIR.symlink_to(tmp_path / "elsewhere")
+    claimed = devices.claim_gpus(1, "test job", poll_s=0.2)
+    assert [g["uuid"] for g in claimed] == [GPUS[0]["uuid"]]
+    assert (tmp_path / "elsewhere" / f"imgclf-gpu-{GPUS[0]['uuid']}.lock").read_text() \
+        == f"{os.getpid()}\n"
 
 
 def test_a_node_of_mixed_gpus_runs_each_stage_on_its_entrys_gpu(nvidia_smi, claims_undone,

@@ -230,7 +230,8 @@ def test_the_measured_memory_solve_builds_its_model_from_the_weights():
     config = settings.load()
     entry = {"path": "w.pth", "sha256": "0" * 64}
     model = {**slices.model_without_weights(config), "init_from": entry}
-    device = {"total": 24e9, "step_factory": factory, "outside_allocator": lambda: 0}
+    device = {"name": "simulated A10G", "total": 24e9, "step_factory": factory,
+              "outside_allocator": lambda: 0}
     with pytest.raises(Stop):
         memory.measure_here(config["memory"], model, settings.cluster(config, "g5"),
                              recipes.get("demo"), 10,

@@ -41,15 +41,23 @@ _held: list = []  # open lock files: the locks live as long as this process
 # The GPU locks of this machine: one folder whatever a job's environment. Not
 # tempfile.gettempdir(), which follows TMPDIR: Snakemake sets it for each job from its `tmpdir`
 # resource, and users' differ (pam_tmpdir, per-user scratch), so that two users would each lock
-# the same GPU in a folder of their own and both size their batch to 85 % of it.
-LOCK_DIR = Path("/tmp/imgclf-gpu-locks")
+# the same GPU in a folder of their own and both size their batch to 85 % of it. /tmp itself,
+# not a folder of ours in it: /tmp is root's and sticky on every Linux, while a folder that the
+# first user's job made would belong to that user, who could replace the others' lock files.
+LOCK_DIR = Path("/tmp")
+
+
+def lock_path(uuid: str) -> Path:
+    """The lock file of device `uuid`."""
+    return lock_dir() / f"imgclf-gpu-{uuid}.lock"
 
 
 def lock_dir() -> Path:
     """LOCK_DIR, in which every user creates and locks files: sticky and writable by all,
-    whatever the umask of the user who made it (made private first, as mkdir applies the umask
-    to the mode it is given, so that nobody plants a file before it is sticky), and refused
-    where another user could replace the lock files in it (`check_lock_dir`)."""
+    made so whatever the umask of the user who made it where it is missing (private first, as
+    mkdir applies the umask to the mode it is given, so that nobody plants a file before it is
+    sticky), and refused where another user could replace the lock files in it
+    (`check_lock_dir`)."""
     path = LOCK_DIR
     try:
         path.mkdir(mode=0o700)
@@ -72,8 +80,11 @@ def check_lock_dir(path: Path) -> None:
     user's GPU job open a file of theirs in place of a lock (and write its pid into it): a
     symbolic link, not a folder, owned by another user than this one or root (its owner may
     rename, delete and replace anything in it), or writable by others without the sticky bit
-    (anyone may then replace this user's lock files)."""
+    (anyone may then replace this user's lock files). Root's own link (/tmp is one on some
+    systems) is as safe as the folder it leads to."""
     st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) and st.st_uid == 0:
+        return check_lock_dir(path.resolve())
     if not stat.S_ISDIR(st.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "no folder"
         raise UserError(f"The GPU lock folder {path} is {kind}, "
@@ -83,8 +94,8 @@ def check_lock_dir(path: Path) -> None:
     if st.st_uid not in (0, os.geteuid()):
         raise UserError(f"The GPU lock folder {path} belongs to user {_owner(st.st_uid)}, who "
                         f"could replace the lock files in it and make a GPU job of yours "
-                        f"overwrite a file: ask root to make it for every user, while no GPU job "
-                        f"runs (`rm -r {path} && install -d -m 1777 {path}`).")
+                        f"overwrite a file: ask root to give it to root, sticky and writable by "
+                        f"all (`chown root: {path} && chmod 1777 {path}`).")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
         raise UserError(f"The GPU lock folder {path} is writable by other users but not sticky, "
                         f"so any of them could replace the lock files in it and make a GPU job "
@@ -144,7 +155,7 @@ def _lock_file(path: Path, fd: int) -> tuple[int, bool]:
 
 def _try_lock(uuid: str):
     """The open lock file of device `uuid`, or None when another process holds it."""
-    fd, mine = _open_lock(lock_dir() / f"{uuid}.lock")
+    fd, mine = _open_lock(lock_path(uuid))
     f = os.fdopen(fd, "r+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
