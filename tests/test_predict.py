@@ -171,6 +171,140 @@ def test_bad_files_get_their_error_and_the_rest_is_predicted(exported, predicted
     assert json.loads(res.stdout)["errors"] == 3
 
 
+def decoder_copy(work: Path, dest: Path, decoder: str) -> Path:
+    """The demo's export folder as one whose model.json names `decoder` (its other files
+    linked): what a plan that chose that decoder exports."""
+    dest.mkdir()
+    for f in (work / MODEL).iterdir():
+        if f.name != "model.json":
+            (dest / f.name).symlink_to(f)
+    described = json.loads((work / MODEL / "model.json").read_text())
+    described["preprocessing"]["decoder"] = decoder
+    (dest / "model.json").write_text(json.dumps(described))
+    return dest
+
+
+def users_folder(work: Path, root: Path) -> Path:
+    """A user's folder of demo images in other formats: an animated GIF and its first frame as a
+    PNG, a 16-bit grey PNG and its 8-bit twin, a BMP, a TIFF, a text file, a link to a folder
+    elsewhere and, in a subfolder, an image and a link back up (a loop)."""
+    import numpy as np
+    from PIL import Image
+
+    sources = sorted((work / val_folder(work)).rglob("*.jpg"))[::40]
+    first, second, third = (Image.open(s).convert("RGB") for s in sources[:3])
+    photos, elsewhere = root / "photos", root / "elsewhere"
+    (photos / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    first.save(photos / "animated.gif", save_all=True, append_images=[second])
+    Image.open(photos / "animated.gif").convert("RGB").save(photos / "first_frame.png")
+    grey = np.asarray(third.convert("L"))
+    Image.fromarray(grey.astype(np.uint16) * 257).save(photos / "grey16.png")
+    Image.fromarray(grey).save(photos / "grey8.png")
+    first.save(photos / "photo.bmp")
+    second.save(photos / "photo.tiff")
+    (photos / "notes.txt").write_text("not an image\n")
+    shutil.copy(sources[3], elsewhere / "linked.jpg")
+    (photos / "linked").symlink_to(elsewhere, target_is_directory=True)
+    shutil.copy(sources[4], photos / "sub" / "deeper.jpg")
+    (photos / "sub" / "up").symlink_to("..", target_is_directory=True)
+    return photos
+
+
+def top(row: dict) -> list:
+    return [(row[f"class_{i}"], pytest.approx(float(row[f"prob_{i}"]), rel=1e-5))
+            for i in range(1, 6)]
+
+
+@pytest.mark.parametrize("decoder", ["tensor", "pil"])
+def test_predict_reads_a_users_formats_and_linked_folders(exported, tmp_path, caplog, decoder):
+    """With either decoder the export may name, every image of a user's folder is predicted:
+    an animated GIF as its first frame, a 16-bit PNG as its 8-bit twin (not clipped to white),
+    a BMP and a TIFF, and the images under a linked folder, the loop of a link back up named in
+    a warning and walked once; a text file's row says it is not an image."""
+    from imgclf import predict
+
+    photos = users_folder(exported, tmp_path)
+    model = decoder_copy(exported, tmp_path / "export", decoder)
+    out = tmp_path / "p.csv"
+    with caplog.at_level("WARNING", logger="imgclf.predict"):
+        predict.run(model, [str(photos)], out, workers=0, device=torch.device("cpu"))
+    got = {Path(r["path"]).relative_to(photos).as_posix(): r for r in rows(out)}
+    assert list(got) == ["animated.gif", "first_frame.png", "grey16.png", "grey8.png",
+                         "linked/linked.jpg", "notes.txt", "photo.bmp", "photo.tiff",
+                         "sub/deeper.jpg"]
+    assert [n for n, r in got.items() if r["error"]] == ["notes.txt"]
+    assert got["notes.txt"]["error"] == ("UnidentifiedImageError: not an image: no image "
+                                         "format recognised in its bytes")
+    assert top(got["animated.gif"]) == top(got["first_frame.png"])
+    assert top(got["grey16.png"]) == top(got["grey8.png"])
+    assert f"{photos}/sub/up leads to {photos.resolve()}, a folder already searched" in caplog.text
+
+
+def test_predict_names_a_folder_given_as_its_out_file(tmp_path, capsys):
+    """`--out` naming an existing folder stops in one sentence that names it, before any
+    model is read, and writes nothing there."""
+    image = tmp_path / "x.png"
+    image.write_bytes(png_header(4, 4))
+    said = error_of(capsys, ["predict", str(tmp_path / "no-model"), str(image),
+                             "--out", str(tmp_path)])
+    assert one_sentence(said) and said.startswith(f"--out {tmp_path} is a folder"), said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.png"]
+
+
+def test_a_folder_is_searched_through_its_links_once(tmp_path):
+    """The files `imgclf predict` finds under a folder (predict_files): those under a link to a
+    folder elsewhere, and a broken link (its row will say why), sorted; a link back up the tree
+    is not walked again but named, once."""
+    from imgclf.predict_files import find_files
+
+    photos, elsewhere = tmp_path / "photos", tmp_path / "elsewhere"
+    (photos / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    for f in (photos / "a.jpg", photos / "sub" / "b.jpg", elsewhere / "c.jpg"):
+        f.write_bytes(b"")
+    (photos / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (photos / "sub" / "up").symlink_to("..", target_is_directory=True)
+    (photos / "gone.jpg").symlink_to(tmp_path / "deleted.jpg")
+    warned = []
+    found = find_files([photos], warn=warned.append)
+    assert [Path(f).relative_to(photos).as_posix() for f in found] == \
+        ["a.jpg", "gone.jpg", "linked/c.jpg", "sub/b.jpg"]
+    assert warned == [f"{photos}/sub/up leads to {photos.resolve()}, a folder already "
+                      f"searched: its files are predicted once, under the first path found to it"]
+
+
+def test_the_predict_rule_reruns_when_the_sets_files_change(exported):
+    """A set's CSV follows the files in its folder, as every artifact follows its inputs: a dry
+    run plans the rule again once an image is added (in a subfolder, whose change the set's
+    folder's own time does not show), removed or replaced, and not while the files are as the
+    CSV saw them."""
+    sources = sorted((exported / val_folder(exported)).rglob("*.jpg"))[::50]
+    photos = exported / "mine"
+    (photos / "sub").mkdir(parents=True)
+    for i, s in enumerate(sources[:2]):
+        shutil.copy(s, photos / "sub" / f"{i}.jpg")
+    (exported / "mine.yaml").write_text("predict: {sets: {mine: mine}}\n")
+    out = "results/predict/local/mine.csv"
+    res = snakemake(exported, out, "--configfile", "mine.yaml")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+
+    def plans() -> bool:
+        res = snakemake(exported, out, "--dry-run", "--configfile", "mine.yaml")
+        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+        return "rule predict:" in res.stdout + res.stderr
+
+    assert not plans()
+    shutil.copy(sources[2], photos / "sub" / "2.jpg")
+    assert plans()
+    (photos / "sub" / "2.jpg").unlink()
+    (photos / "sub" / "1.jpg").rename(exported / "1.jpg")
+    assert plans()
+    (exported / "1.jpg").rename(photos / "sub" / "1.jpg")
+    shutil.copy(sources[3], photos / "sub" / "0.jpg")
+    assert plans()
+
+
 def error_of(capsys, argv: list[str]) -> str:
     """The message `imgclf ARGV` stops with (exit status 1)."""
     from imgclf import cli
@@ -289,7 +423,9 @@ def test_predict_preprocesses_as_evaluation(exported, monkeypatch, decoder):
 
 def test_the_onnxruntime_example_reproduces_the_predictions(exported, tmp_path):
     """The docs' ~10-line example, with torch and this package unimportable, gives the top-1
-    class and probability `imgclf predict` gives, on demo images and on non-square ones."""
+    class and probability `imgclf predict` gives, on demo images, on non-square ones and on a
+    16-bit grey PNG (scaled to 8 bits as the decoders do, not clipped to white)."""
+    import numpy as np
     from PIL import Image
 
     from imgclf import predict
@@ -299,6 +435,9 @@ def test_the_onnxruntime_example_reproduces_the_predictions(exported, tmp_path):
     for i, (w, h) in enumerate([(41, 27), (19, 44)]):  # the shorter side either way
         Image.open(sources[i]).convert("RGB").resize((w, h)).save(tmp_path / f"wide{i}.png")
         files.append(str(tmp_path / f"wide{i}.png"))
+    grey = np.asarray(Image.open(sources[2]).convert("L"))
+    Image.fromarray(grey.astype(np.uint16) * 257).save(tmp_path / "grey16.png")  # 16-bit
+    files.append(str(tmp_path / "grey16.png"))
     script = tmp_path / "predict_onnx.py"
     script.write_text(ONNX_EXAMPLE)
     res = run_bounded([sys.executable, "-c", WITHOUT_TORCH, str(script),

@@ -372,7 +372,8 @@ def _ddp_commands(sub) -> None:
                     "read): one CSV row per file, `path,class_1,prob_1,...,class_K,prob_K,error`, "
                     "the error column empty for a good file and saying why for a file that is "
                     "no image, truncated or too large. Folders are searched recursively, their "
-                    "hidden files and folders skipped. Runs on a GPU where there is one, in fp32.")
+                    "hidden files and folders skipped and links to folders followed. Runs on a "
+                    "GPU where there is one, in fp32.")
     p.add_argument("model_dir", metavar="MODEL_DIR",
                    help="export folder, e.g. results/export/local")
     p.add_argument("paths", metavar="PATH", nargs="+", help="image files or folders of them")

@@ -1,7 +1,8 @@
 """The training and validation input pipelines, in two real decode paths.
 
 `pil`: PIL decode + torchvision transforms v2 on PIL images (the classic pipeline).
-`tensor`: torchvision.io.decode_jpeg (libjpeg-turbo) + transforms.v2 on uint8 tensors.
+`tensor`: torchvision.io.decode_jpeg (libjpeg-turbo) for JPEG, PIL for other formats, +
+transforms.v2 on uint8 tensors. Both decode by one contract (imgclf.decoding).
 The loader benchmark, the memory solve, the LR finder and training all build their
 data through this module, so what is measured is what trains."""
 
@@ -13,7 +14,7 @@ import os
 import torch
 from torch.utils.data import DataLoader
 
-from imgclf import images, index, recipes
+from imgclf import decoding, index, recipes
 from imgclf.errors import UserError
 from imgclf.census import walk
 from imgclf.artifacts import DECODERS
@@ -23,21 +24,6 @@ from imgclf.sampling import RepeatedAugSampler, ResumableLoader, ResumableSample
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 MEAN_FILL = tuple(round(255 * m) for m in MEAN)  # uint8 fill of geometric augmentations
-
-
-def read_tensor_image(path: str, max_pixels: int | None) -> torch.Tensor:
-    """Decode a file to a uint8 CHW RGB tensor (JPEG through libjpeg-turbo), under the pixel
-    limit (its header read by PIL from the same bytes: libjpeg-turbo has no limit). Read in
-    Python, which opens any name the file system holds (torchvision's `read_file` takes the path
-    as UTF-8, which a name that is not cannot be)."""
-    import io
-
-    from torchvision.io import ImageReadMode, decode_image
-
-    with open(path, "rb") as f:
-        raw = bytearray(f.read())
-    images.open_image(io.BytesIO(raw), max_pixels).close()
-    return decode_image(torch.frombuffer(raw, dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 
 def _pixels(decoder: str) -> list:
@@ -137,7 +123,7 @@ class IndexedImages(torch.utils.data.Dataset):
 
     def __init__(self, idx: index.Index, decoder: str, transform):
         self.index, self.transform = idx, transform
-        self.decode = read_tensor_image if decoder == "tensor" else images.read_rgb
+        self.decode = decoding.reader(decoder)
         self.classes = list(idx.classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.targets = idx.targets()

@@ -18,13 +18,20 @@ class TooLarge(ValueError):
     """An image over the pixel limit; the message is the reason, naming the key."""
 
 
+# why a file in which PIL recognises no image format is none, for the row or line naming it
+NOT_AN_IMAGE = "not an image: no image format recognised in its bytes"
+
+
 def open_image(fp, max_pixels: int | None):
     """PIL image of the file at `fp` (a path or a binary file object), header read, pixels not
     yet decoded; TooLarge when the header states more than `max_pixels` (None: no limit)."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     Image.MAX_IMAGE_PIXELS = None  # set per call: a spawned worker imports PIL afresh
-    image = Image.open(fp)
+    try:
+        image = Image.open(fp)
+    except UnidentifiedImageError:  # PIL's message names the Python object, not the file
+        raise UnidentifiedImageError(NOT_AN_IMAGE) from None
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         image.close()
@@ -32,9 +39,3 @@ def open_image(fp, max_pixels: int | None):
                        f"`hydration.max_image_pixels` = {max_pixels:,}")
     return image
 
-
-def read_rgb(path: str, max_pixels: int | None):
-    """The image at `path` decoded as an RGB PIL image (what torchvision's `pil_loader` does,
-    under the pixel limit)."""
-    with open(path, "rb") as f:
-        return open_image(f, max_pixels).convert("RGB")

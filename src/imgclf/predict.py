@@ -9,10 +9,11 @@ through a DataLoader whose workers decode, on a GPU where there is one (claimed 
 claims one), in fp32.
 
 One CSV row per file found, in a stable order: the path as given or found under a given folder
-(hidden files and folders skipped), the top-k classes and their probabilities (softmax), and an
-`error` column, empty for a good file; a file that is no image, is truncated or states more
-pixels than the limit the hydration check applied (model.json) gets its reason there instead,
-and the others are still predicted. The CSV is written atomically."""
+(hidden files and folders skipped, links to folders followed: imgclf.predict_files), the top-k
+classes and their probabilities (softmax), and an `error` column, empty for a good file; a file
+that is no image, is truncated or states more pixels than the limit the hydration check applied
+(model.json) gets its reason there instead, and the others are still predicted. The CSV is
+written atomically."""
 
 from __future__ import annotations
 
@@ -25,42 +26,15 @@ from pathlib import Path
 
 import torch
 
-from imgclf import data, devices, hardware, images, model_folder, provenance, recipes, settings
+from imgclf import (data, decoding, devices, hardware, model_folder, provenance, recipes,
+                    settings)
 from imgclf.artifacts import DECODERS
 from imgclf.errors import UserError
+from imgclf.predict_files import find_files
 from imgclf.progress import progress
 
 log = logging.getLogger("imgclf.predict")
 MAX_WORKERS = 16
-
-
-def find_files(paths) -> list[str]:
-    """Every regular file of `paths`, each a file or a folder searched recursively (its hidden
-    files and folders, those whose name starts with a dot, skipped): the paths in the order
-    given, a folder's files sorted, each file once. A path that does not exist, or a folder
-    with no file in it, is a UserError."""
-    found, seen = [], set()
-    for given in map(str, paths):
-        if os.path.isdir(given):
-            inside = []
-            for root, dirs, names in os.walk(given):
-                dirs[:] = [d for d in dirs if not d.startswith(".")]
-                inside += [os.path.join(root, n) for n in names
-                           if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
-            if not inside:
-                raise UserError(f"The folder {given} holds no files to predict (hidden ones "
-                                f"are skipped): pass a folder with images in it.")
-            files = sorted(inside)
-        elif os.path.isfile(given):
-            files = [given]
-        else:
-            raise UserError(f"{given} does not exist or is no regular file: pass image files "
-                            f"or folders of them.")
-        for f in files:
-            if f not in seen:
-                seen.add(f)
-                found.append(f)
-    return found
 
 
 def transform(pre: dict):
@@ -95,8 +69,8 @@ class ImageFiles(torch.utils.data.Dataset):
 
     def __init__(self, files: list[str], pre: dict, max_pixels: int | None):
         self.files, self.max_pixels = files, max_pixels
-        self.decode = data.read_tensor_image if pre["decoder"] == "tensor" else images.read_rgb
-        self.transform = transform(pre)
+        self.transform = transform(pre)  # first: it names model.json for an unknown decoder
+        self.decode = decoding.reader(pre["decoder"])
         crop = int(pre["center_crop"])
         self.blank = torch.zeros(3, crop, crop)
 
@@ -189,8 +163,11 @@ def run(model_dir, paths, out_csv, top_k: int | None = None, batch_size: int | N
     batch_size = int(defaults["batch_size"] if batch_size is None else batch_size)
     if top_k < 1 or batch_size < 1:
         raise UserError(f"--top-k ({top_k}) and --batch-size ({batch_size}) must be at least 1.")
+    if os.path.isdir(out_csv):
+        raise UserError(f"--out {out_csv} is a folder: name the CSV file to write, such as "
+                        f"{os.path.join(out_csv, 'predictions.csv')}.")
     described = model_folder.read(model_dir)
-    files = find_files(paths)
+    files = find_files(paths, warn=log.warning)
     classes = list(described["classes"])
     pre = described["preprocessing"]
     k = min(top_k, len(classes))

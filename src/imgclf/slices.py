@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from imgclf import artifacts, index, weights
+from imgclf import artifacts, index, predict_files, weights
 from imgclf.lr import grid as lr_grid
 from imgclf.settings import cluster, data_root
 
@@ -262,9 +262,12 @@ def export_params(config: dict, cluster_name: str) -> dict:
 
 
 def predict_params(config: dict, name: str) -> dict:
-    """predict: the set's path, and how many classes per image in how large batches."""
+    """predict: the set's path, the state of its files (so that adding, removing or replacing
+    an image reruns the CSV: the folder is no input, as Snakemake would not look inside it),
+    and how many classes per image in how large batches."""
     p = config["predict"]
-    return canonical({"path": p["sets"][name], "top_k": p["top_k"],
+    path = p["sets"][name]
+    return canonical({"path": path, "files": predict_files.state(path), "top_k": p["top_k"],
                       "batch_size": p["batch_size"]})
 
 

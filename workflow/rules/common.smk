@@ -37,6 +37,7 @@ def data_input(wildcards):
 READS_IMAGES = (
     "data",
     "sampling",
+    "decoding",
     "images",
     "index",
     "census",

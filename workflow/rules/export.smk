@@ -36,7 +36,7 @@ rule predict:
     """
     input:
         model="results/export/{cluster}",
-        code=code("predict", *READS_IMAGES, "devices", "model_folder"),
+        code=code("predict", "predict_files", *READS_IMAGES, "devices", "model_folder"),
     output:
         "results/predict/{cluster}/{name}.csv",
     log:

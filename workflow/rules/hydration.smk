@@ -10,7 +10,7 @@ checkpoint check_hydration:
     """
     input:
         data=data_input,
-        code=code("hydration", "census", "index", "images", "hardware"),
+        code=code("hydration", "census", "index", "decoding", "images", "hardware"),
     output:
         report=report(
             "results/hydration/{cluster}.json",

@@ -1,7 +1,9 @@
 """Every image decoded in full, in parallel over the node's CPUs, so that a truncated or corrupt
 file is found here, named, and kept out of training, not met in the first epoch days into a
-queue. The decoder is PIL's (libjpeg-turbo for JPEG), the one the `pil` decode path trains with;
-it identifies a file by its content, so a PNG named .JPEG or a CMYK JPEG passes, as it trains.
+queue. The decoder is the `pil` decode path's, to RGB as it trains (imgclf.decoding): the
+`tensor` path decodes every format but JPEG the same way, and a JPEG with libjpeg-turbo as PIL
+does, so a file accepted here decodes with whichever path the loader benchmark chooses. PIL
+identifies a file by its content, so a PNG named .JPEG or a CMYK JPEG passes, as it trains.
 An image over the pixel limit (imgclf.images) is not decoded, and unusable with that reason."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 
+from imgclf.decoding import UnsupportedMode, to_rgb
 from imgclf.hardware import usable_cpus
 from imgclf.images import TooLarge, open_image
 from imgclf.progress import progress
@@ -22,8 +25,8 @@ def check_image(path: str, max_pixels: int | None) -> str | None:
 
     try:
         with open_image(path, max_pixels) as img:
-            img.load()
-    except TooLarge as e:
+            to_rgb(img)  # what either decoder does with it, so neither fails on it in training
+    except (TooLarge, UnsupportedMode) as e:
         return str(e)
     except UnidentifiedImageError:
         return "corrupt: no image format recognised in its bytes"
