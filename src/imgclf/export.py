@@ -56,8 +56,10 @@ def preprocessing(recipe: recipes.Recipe, resolution: int, decoder: str,
             "interpolation": recipe.interpolation, "antialias": True, "scale": 1 / 255,
             "mean": list(data.MEAN), "std": list(data.STD), "layout": "NCHW",
             "dtype": "float32", "decoder": decoder, "max_image_pixels": max_image_pixels,
-            "decoders": {"pil": "PIL, then torchvision.transforms.v2",
-                         "tensor": "torchvision.io.decode_image, then torchvision.transforms.v2"}}
+            "decoders": {"pil": "PIL (an animation's first frame, 16 bits to 8 by >> 8, grey to "
+                                "RGB, alpha dropped), then torchvision.transforms.v2",
+                         "tensor": "torchvision.io.decode_image for RGB and grey JPEGs, other "
+                                   "files as pil, then torchvision.transforms.v2"}}
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
