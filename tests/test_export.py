@@ -87,3 +87,21 @@ def test_the_export_describes_the_recipe_the_checkpoint_trained_with(demo_run, t
     trained = json.loads((demo_run / EXPORT / "model.json").read_text())["preprocessing"]
     assert ours == trained and ours["interpolation"] == "bilinear", (ours, trained)
 
+
+def test_the_onnx_check_takes_a_fixed_sample_of_a_large_set(tmp_path):
+    """By default the check runs on 1,000 images of a larger validation set (ImageNet's
+    50,000 would take the export job hours of CPU), the same ones at every export."""
+    import torch
+
+    from imgclf import export, settings
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(4, 3)).eval()
+    export.export_graphs(model, 8, tmp_path)
+    labelled = torch.utils.data.TensorDataset(torch.randn(1200, 3, 8, 8),
+                                              torch.zeros(1200, dtype=torch.long))
+    limit = settings.load()["export"]["check_images"]
+    first, again = (export.check_onnx(model, tmp_path / "model.onnx", labelled, limit, 0)
+                    for _ in range(2))
+    assert first["images"] == 1000, first
+    assert first == again
