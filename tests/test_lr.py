@@ -297,9 +297,18 @@ def test_lr_stage_reports_progress_in_plain_lines(demo_run):
     torch-lr-finder's bar redrawn at every step in Snakemake's output (a log file keeps every
     redraw)."""
     log = (demo_run / "logs/lr/local/run0.log").read_text()
-    assert re.search(r"LR range test 0: 20/20 steps \(100 %\)", log), log[-2000:]
+    lines = re.findall(r"LR range test 0: (.*)", log)
+    assert re.match(r"0/20 steps \(0 %\)", lines[0]), log[-2000:]
+    # the last line says how the run ended, wherever this CPU's kernels made it diverge
+    result = json.loads((demo_run / "results/lr/local/run0.json").read_text())
+    n = result["iterations"]
+    if n < 20:
+        assert result["diverged"] and lines[-1] == (
+            f"stopped at step {n} of 20: diverged at lr {result['diverged_at']['lr']:.3g}"), lines
+    else:
+        assert lines[-1].startswith("completed 20/20 steps"), lines
     out = (demo_run / "snakemake_output.txt").read_text()
-    assert "it/s]" not in out and "LR range test 0: 20/20 steps" in out
+    assert "it/s]" not in out and f"LR range test 0: {lines[-1]}" in out
 
 
 def test_cli_lr_find_batch_override_and_summary(through_memory, tmp_path):

@@ -3,7 +3,8 @@
 A tqdm bar redraws itself with carriage returns; in a Snakemake or Slurm log file every redraw
 stays as noise. So the bar is drawn only when stderr is a terminal; otherwise the same figures
 (count, percentage, rate, time left) are logged as one ordinary line every `PLAIN_EVERY_S`
-seconds, and once at the end."""
+seconds, and once at the end; a run that may stop early ends with a line that says how
+(`ended`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,17 @@ def hms(seconds: float) -> str:
     """Seconds as H:MM:SS, as the forecast and the progress lines say them."""
     s = int(round(seconds))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def ended(desc: str, done: int, total: int, unit: str, why: str | None = None) -> None:
+    """The last progress line of a run that may stop early: how it ended. Without it, a run
+    stopped at its 18th of 20 steps leaves "17/20 (85 %)" as its last line (tqdm counts a step
+    when the next begins), which reads as a run cut off, not one that finished."""
+    if done >= total:
+        log.info("%s: completed %d/%d %s%s", desc, done, total, unit, f", {why}" if why else "")
+    else:
+        log.info("%s: stopped at %s %d of %d: %s", desc, unit.removesuffix("s"), done, total,
+                 why or "ended early")
 
 
 def progress(iterable=None, *, every_s: float = PLAIN_EVERY_S, **kwargs) -> tqdm:

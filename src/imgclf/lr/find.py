@@ -14,7 +14,7 @@ import time
 from imgclf import devices, hardware, recipes
 from imgclf.artifacts import Plan
 from imgclf.one_device import OneDeviceRun, one_device_run
-from imgclf.progress import progress
+from imgclf.progress import ended, progress
 from imgclf.provenance import write_artifact
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,8 @@ def find(source: str, model: dict, hw: dict, plan: Plan, cfg: dict, run: int,
     nonfinite = [i for i, x in enumerate(history["loss"]) if not math.isfinite(x)]
     diverged = n < cfg["num_iter"] or bool(nonfinite)
     stop = min([n - 1, *nonfinite]) if diverged else None
+    ended(f"LR range test {run}", n, cfg["num_iter"], "steps",
+          f"diverged at lr {history['lr'][stop]:.3g}" if diverged else None)
     log.info("run %d (seed %d, batch %d on %s): %d iterations in %.1f s%s", run, seed, batch,
              device, n, seconds, f", diverged at lr {history['lr'][stop]:.3g}" if diverged else "")
     return {
