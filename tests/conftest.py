@@ -348,11 +348,12 @@ def one_sentence(text: str) -> bool:
 def resume_point(checkpoint: Path, relative_to: Path) -> dict:
     """What a training that resumes from `checkpoint` records as `resumed_from` in
     train_summary.json: the checkpoint (as the rule names it, relative to the workflow) and the
-    epoch and global step it was saved at."""
+    epoch (counted from 1, as the progress lines count it) and global step it was saved at."""
     import torch
 
     ckpt = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-    return {"checkpoint": str(checkpoint.relative_to(relative_to)), "epoch": int(ckpt["epoch"]),
+    return {"checkpoint": str(checkpoint.relative_to(relative_to)),
+            "epoch": int(ckpt["epoch"]) + 1,
             "global_step": int(ckpt["global_step"])}
 
 

@@ -10,11 +10,13 @@ import json
 import os
 import re
 import signal
+from pathlib import Path
 
 import pandas as pd
 import psutil
 import torch
 
+from imgclf.progress import hms
 from conftest import (resume_line, resume_point, snakemake, stable, train_accuracy_columns,
                       training_until_checkpoint)
 
@@ -60,14 +62,20 @@ def test_the_complete_runs_training_is_ddp_over_two_processes_through_the_cli(de
     # the demo's 1,438 training images in global batches of 128, the last one short
     assert s["global_batch"] == 128 and s["steps_per_epoch"] == 11 and s["total_steps"] == 22
     assert s["resumed_from"] is None and s["provenance"]["inputs"]
-    assert s["images_per_s"] > 0 and s["best"]["epoch"] in (0, 1)
+    assert s["images_per_s"] > 0 and s["best"]["epoch"] in (1, 2)
     names = sorted(p.name for p in (train / "checkpoints").glob("*.ckpt"))
     assert "last.ckpt" in names
-    assert all(re.fullmatch(r"epoch=\d+-val_acc1=\d\.\d{4}\.ckpt", n) for n in names
+    assert all(re.fullmatch(r"epoch=[12]-val_acc1=\d\.\d{4}\.ckpt", n) for n in names
                if n != "last.ckpt")
     best = torch.load(train / "best.ckpt", map_location="cpu", weights_only=True)
-    assert best["epoch"] == s["best"]["epoch"]
+    assert best["epoch"] + 1 == s["best"]["epoch"]  # Lightning's own field counts from 0
     text = (demo_run / "logs/train/local.log").read_text()
+    # one count of epochs wherever a user reads one: the progress line of the best epoch, the
+    # summary's line and the best checkpoint's name
+    b = s["best"]
+    assert f"epoch {b['epoch']}/2, val/acc1 {b['val_acc1']:.4f}" in text
+    assert f"best val/acc1 {b['val_acc1']:.4f} at epoch {b['epoch']};" in text
+    assert Path(b["copied_from"]).name == f"epoch={b['epoch']}-val_acc1={b['val_acc1']:.4f}.ckpt"
     assert "starting fresh" in text and f"LR {s['lr']['value']:.5g} from lr_finder" in text
     assert "epoch 2/2, val/acc1" in text  # plain progress lines, not a redrawn bar
     assert "\r" not in text
@@ -106,8 +114,8 @@ def test_killed_training_resumes_from_last_checkpoint(demo_run, demo_run_copy):
     assert resume_line(point) in log
     metrics = pd.read_csv(work / "results/train/local/metrics.csv")
     epochs = metrics.dropna(subset=["val/acc1"])["epoch"].tolist()
-    assert epochs == [0, 1]  # every epoch validated exactly once
-    assert [e["epoch"] for e in summary["images_per_s_by_epoch"]] == [0, 1]
+    assert epochs == [0, 1]  # every epoch validated exactly once (Lightning counts from 0)
+    assert [e["epoch"] for e in summary["images_per_s_by_epoch"]] == [1, 2]
 
     # Another training, the complete run's own (its seed and settings): its digest differs, so
     # it starts fresh, says why, and keeps the previous checkpoints in superseded/ instead of

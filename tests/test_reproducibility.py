@@ -564,7 +564,7 @@ def test_the_noise_scale_before_training_and_during_it(demo_run):
 
     s = json.loads((demo_run / "results/train/local/train_summary.json").read_text())["noise_scale"]
     assert s["logged"] and (s["small_batch"], s["big_batch"]) == (64, 128)
-    assert [e["epoch"] for e in s["by_epoch"]] == list(range(REDUCED["train"]["epochs"]))
+    assert [e["epoch"] for e in s["by_epoch"]] == list(range(1, REDUCED["train"]["epochs"] + 1))
     assert all(e["b_simple"] > 0 and e["steps"] > 0 for e in s["by_epoch"])
     metrics = pd.read_csv(demo_run / "results/train/local/metrics.csv")
     logged = metrics.dropna(subset=["train/noise_scale"])["train/noise_scale"].tolist()

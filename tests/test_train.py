@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from conftest import train_accuracy_columns
+from conftest import one_sentence, train_accuracy_columns
 from imgclf import forecast, recipes, settings
 from imgclf.train import callbacks as train_callbacks
 from imgclf.train import failures as train_failures
@@ -166,8 +166,9 @@ def test_resume_only_with_matching_digest(tmp_path):
     torch.save({"epoch": 3, "global_step": 40, "imgclf": {"train_digest": "abc"}},
                tmp_path / "last.ckpt")
     d = resume.find_resume(tmp_path, "abc")
-    assert d["path"] == str(tmp_path / "last.ckpt") and d["info"]["epoch"] == 3
-    assert "resuming" in d["note"]
+    # saved in Lightning's epoch 3, counted from 0: the 4th, as the progress lines count
+    assert d["path"] == str(tmp_path / "last.ckpt") and d["info"]["epoch"] == 4
+    assert "resuming" in d["note"] and "(epoch 4, step 40)" in d["note"]
     d = resume.find_resume(tmp_path, "other")
     assert d["path"] is None and "another training" in d["note"]
     (tmp_path / "last.ckpt").write_bytes(b"half a checkpoint")
@@ -560,3 +561,29 @@ def test_published_recipe_trains_with_its_weight_average_and_sampler(demo_root, 
     live = ckpt["current_model_state"]
     averaged = {k: v for k, v in ckpt["state_dict"].items() if k in live}
     assert any(not torch.equal(v, live[k]) for k, v in averaged.items() if v.is_floating_point())
+
+
+def test_a_training_set_smaller_than_one_global_batch_is_warned_of(demo_root, tmp_path):
+    """20 training images against a global batch of 32 (one rank, no DDP: cheaper): every
+    epoch is one optimizer step, which the training says in one sentence with the numbers and
+    the fix rather than passing in silence."""
+    tiny = tmp_path / "tiny"
+    for split in ("train", "val"):
+        for cls in sorted((demo_root / split).iterdir()):
+            (tiny / split / cls.name).mkdir(parents=True)
+            for f in sorted(cls.iterdir())[:2]:
+                shutil.copy2(f, tiny / split / cls.name / f.name)
+    out = tmp_path / "out"
+    one_rank = {**CPU_CLUSTER, "cpu_processes": 1, "devices_per_node": 1}
+    params, memory, lr_summary = write_inputs(tmp_path, tiny, {"epochs": 2, "limit_val_batches": 1},
+                                              batch=32, resolution=16, cluster=one_rank)
+    res = subprocess.run(cli_train(params, memory, lr_summary, out), capture_output=True,
+                         text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    warned = [line.split(" WARNING ", 1)[1] for line in res.stderr.splitlines()
+              if "fewer than one global batch" in line]
+    assert len(warned) == 1 and one_sentence(warned[0]), res.stderr[-3000:]
+    assert warned[0].startswith("The training set holds 20 images, fewer than one global batch "
+                                "of 32") and "`train.epochs`" in warned[0]
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["total_steps"] == 2  # what the warning said: 1 step in each of 2 epochs

@@ -304,8 +304,10 @@ def handoff_key(path) -> dict | None:
 
 def per_epoch(metrics, column: str):
     """A training's metrics.csv (as a DataFrame): the last logged value of `column` in each
-    epoch (None when it was never logged); what its summary and its curves read of it."""
+    epoch (None when it was never logged); what its summary and its curves read of it. Epochs
+    count from 1, as the progress lines do (metrics.csv keeps Lightning's count from 0)."""
     if column not in metrics:
         return None
     s = metrics.dropna(subset=[column]).groupby("epoch")[column].last()
+    s.index = s.index + 1
     return s if len(s) else None

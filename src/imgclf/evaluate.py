@@ -179,7 +179,9 @@ def run(params: dict, memory_path, checkpoint, out) -> dict:
         "num_classes": len(classes), "classes": classes,
         "confusion_matrix": cm.tolist() if small else None,
         "confusion_plot": "matrix" if small else "most confused pairs",
-        "checkpoint": {"path": str(checkpoint), "epoch": ckpt.get("epoch"),
+        # its epoch counted from 1, as the training's lines and summary count it
+        "checkpoint": {"path": str(checkpoint),
+                       "epoch": None if ckpt.get("epoch") is None else ckpt["epoch"] + 1,
                        "global_step": ckpt.get("global_step"),
                        "train_digest": ckpt.get("imgclf", {}).get("train_digest")},
         "device": str(device), "precision": precision,

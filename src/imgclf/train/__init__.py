@@ -6,7 +6,7 @@ pure function of the inputs, except the resume decision, which global rank 0 tak
 (train/resume.py); everything that writes results runs on global rank 0 only.
 
 Layout under the out dir (results/train/{cluster}/):
-  checkpoints/   top-k `epoch=X-val_acc1=Y.ckpt` + last.ckpt: never a declared Snakemake output,
+  checkpoints/   top-k `epoch=X-val_acc1=Y.ckpt` (X from 1) + last.ckpt: never a declared output,
                  so it survives a failed job and a rerun resumes from it
   logs/          CSVLogger attempts (logs/csv/version_N) and TensorBoard when installed
   superseded/    checkpoints and logs of the previous training, moved aside on a fresh start
@@ -22,7 +22,6 @@ import logging
 import time
 
 import lightning.pytorch as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 
 from imgclf import artifacts, devices
@@ -35,10 +34,10 @@ from imgclf.train.callbacks import (NoiseScaleLog, RequeueAtTimeLimit, RunRecord
                                     ValidateAtStepBudget, progress_callbacks)
 from imgclf.train.ema import for_recipe
 from imgclf.train.failures import broken_file_sentence, end_local_ranks, peer_failed
-from imgclf.train.job import prepare
+from imgclf.train.job import prepare, smaller_than_a_step
 from imgclf.train.module import ImageClassifier, ImageData, datasets
 from imgclf.train.resume import supersede
-from imgclf.train.trainer import build_loggers, build_trainer, quiet_lightning
+from imgclf.train.trainer import EpochCheckpoint, build_loggers, build_trainer, quiet_lightning
 
 log = logging.getLogger("imgclf.train")
 CKPT_NAME = "epoch={epoch}-val_acc1={val/acc1:.4f}"
@@ -65,6 +64,9 @@ def run(params: dict, memory_path, lr_file, out_dir,
     bad_list = job.out_dir / BAD_FILES
     train_set, val_set = datasets(params["index"], job.plan.decoder, int(model_cfg["resolution"]),
                                   job.recipe.name, read_bad_files(bad_list))
+    if rank_zero_only.rank == 0 and (small := smaller_than_a_step(len(train_set), job.plan,
+                                                                  job.epochs)):
+        log.warning("%s", small)
     module = ImageClassifier(model_cfg["arch"], train_set.classes, job.recipe.name,
                              job.lr["value"], job.recipe.warmup_epochs,
                              channels_last=bool(model_cfg["channels_last"]),
@@ -80,7 +82,7 @@ def run(params: dict, memory_path, lr_file, out_dir,
     loggers = build_loggers(job.out_dir)
     throughput = Throughput()
     recorder = RunRecorder(job.out_dir, fresh=fresh, csv_logger=loggers[0])
-    checkpoint = ModelCheckpoint(
+    checkpoint = EpochCheckpoint(
         dirpath=job.out_dir / "checkpoints", filename=CKPT_NAME, auto_insert_metric_name=False,
         monitor="val/acc1", mode="max", save_top_k=int(job.t["save_top_k"]), save_last=True)
     bars, show_bar = progress_callbacks(throughput, (expected or {}).get("total_s"))

@@ -275,7 +275,7 @@ class RequeueAtTimeLimit(Callback):
         requeued = True
         if trainer.is_global_zero:
             log.info("Slurm's time limit is near: saved %s at epoch %d, step %d; requeueing the "
-                     "job, which resumes from it", path, trainer.current_epoch, trainer.global_step)
+                     "job, which resumes from it", path, trainer.current_epoch + 1, trainer.global_step)
             requeued = requeue.requeue_job()
             if not requeued:
                 log.warning("could not requeue the job (submitted without --requeue?): training "

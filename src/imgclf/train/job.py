@@ -123,6 +123,19 @@ def prepare(params: dict, memory_path, lr_file, out_dir, run_path=None) -> Job:
                out_dir=Path(out_dir), digest=digest, resume=resume, run=run)
 
 
+def smaller_than_a_step(images: int, plan: Plan, epochs: int) -> str | None:
+    """A warning when the training set is smaller than one global batch: every epoch is then
+    a single optimizer step (Lightning steps on an epoch's last, partial accumulation), which
+    trains far less than the epochs suggest and otherwise passes without a word."""
+    if images >= plan.global_batch:
+        return None
+    return (f"The training set holds {images} images, fewer than one global batch of "
+            f"{plan.global_batch} (per-device batch {plan.per_device_batch} x {plan.world_size} "
+            f"devices x accumulation {plan.accumulate_grad_batches}), so each epoch is 1 "
+            f"optimizer step and the {epochs} epochs train {epochs} steps: add images, or "
+            f"raise `train.epochs` for more steps.")
+
+
 def collective_timeout(t: dict) -> timedelta:
     """How long a rank waits in a collective for the others (`train.collective_timeout_minutes`),
     for the process group of either launch: Lightning's and srun's (train/resume.py)."""

@@ -57,7 +57,7 @@ def find_resume(ckpt_dir: Path, digest: str) -> dict:
     try:
         ckpt = torch.load(last, map_location="cpu", mmap=True, weights_only=True)
         meta = ckpt.get("imgclf", {})
-        info = {"checkpoint": str(last), "epoch": int(ckpt["epoch"]),
+        info = {"checkpoint": str(last), "epoch": int(ckpt["epoch"]) + 1,  # counted from 1
                 "global_step": int(ckpt["global_step"])}
     except (RuntimeError, EOFError, pickle.UnpicklingError, KeyError, TypeError,
             AttributeError) as e:  # a truncated, empty or foreign file: not a checkpoint

@@ -55,13 +55,15 @@ def copy_atomic(src, dst) -> None:
 
 
 def keep_best(checkpoint_callback, out_dir: Path) -> dict:
-    """Copy the best checkpoint to best.ckpt; return its score, epoch and origin."""
+    """Copy the best checkpoint to best.ckpt; return its score, epoch (counted from 1, as every
+    line a user reads counts them; the checkpoint's own field is Lightning's, from 0) and
+    origin."""
     best_path = checkpoint_callback.best_model_path
     if not best_path or not Path(best_path).is_file():
         raise RuntimeError(f"training finished without a best checkpoint in {out_dir}")
     epoch = int(torch.load(best_path, map_location="cpu", mmap=True, weights_only=True)["epoch"])
     copy_atomic(best_path, out_dir / "best.ckpt")
-    return {"val_acc1": float(checkpoint_callback.best_model_score), "epoch": epoch,
+    return {"val_acc1": float(checkpoint_callback.best_model_score), "epoch": epoch + 1,
             "checkpoint": str(out_dir / "best.ckpt"), "copied_from": best_path}
 
 
@@ -79,7 +81,7 @@ def results(metrics, throughput) -> dict:
                   "val_loss": last("val/loss")},
         "val_acc1_by_epoch": None if val is None else [round(float(v), 5) for v in val.values],
         "images_per_s": round(images / secs, 1) if secs else None,
-        "images_per_s_by_epoch": ep,
+        "images_per_s_by_epoch": [{**e, "epoch": e["epoch"] + 1} for e in ep],
         "train_seconds": round(secs, 2),
     }
 
@@ -119,7 +121,8 @@ def noise_scale(logged, metrics, small_batch: int, big_batch: int) -> dict:
     (McCandlish et al. report that it does: a batch too large early may suit later)."""
     if logged is None:
         return {"logged": False, "why": "switched off by `train.noise_scale: false`"}
-    epochs = [e for e in logged.by_epoch if e["b_simple"] is not None]
+    epochs = [{**e, "epoch": e["epoch"] + 1}  # counted from 1, as metrics are read here
+              for e in logged.by_epoch if e["b_simple"] is not None]
     if not epochs:
         why = ("one rank has a single batch size, and B_simple needs two"
                if logged.hook is None else "no epoch gave a positive |G|^2 estimate")

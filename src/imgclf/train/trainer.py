@@ -10,6 +10,7 @@ from pathlib import Path
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from imgclf.hardware import usable_cpus
 from imgclf.slurm import task as slurm_task
@@ -17,6 +18,17 @@ from imgclf.train.callbacks import AtomicCheckpointIO
 from imgclf.train.job import Job, collective_timeout
 
 log = logging.getLogger("imgclf.train")
+
+
+class EpochCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint whose file names count epochs from 1, as the progress lines,
+    the summary and the report do (Lightning counts from 0: the checkpoints' own `epoch` field
+    keeps its count, and a resume reads that, from last.ckpt, whose name has no epoch)."""
+
+    def _monitor_candidates(self, trainer):
+        candidates = super()._monitor_candidates(trainer)
+        candidates["epoch"] = candidates["epoch"] + 1
+        return candidates
 
 
 def trainer_options(job: Job) -> dict:
