@@ -5,7 +5,7 @@ import sys
 
 from snakemake.utils import min_version
 
-from imgclf import settings, slices, stage
+from imgclf import run_end, settings, slices, stage
 from imgclf.errors import UserError
 
 min_version("9.0")
@@ -44,6 +44,16 @@ include: "workflow/rules/batch.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/figures.smk"
+
+
+# The run's last lines: what it produced, or the sentence that stopped it (imgclf.run_end).
+# Snakemake keeps one handler of each kind, so this is also where a Slurm deadline is explained.
+onsuccess:
+    run_end.on_success(workflow, config["clusters"])
+
+
+onerror:
+    run_end.on_error(log, slurm_plugin.deadline_sentences(log))
 
 
 rule all:

@@ -28,7 +28,7 @@ from pathlib import Path
 # SIGINT, as Ctrl-C reaches the worker's process group: the call's own session stops its jobs
 # and ends, and the forking process reports it then.
 SERVER = r"""
-import json, os, signal, sys, tempfile, traceback
+import atexit, json, os, signal, sys, tempfile, traceback
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 sys.path[0] = os.path.dirname(sys.executable)  # the snakemake script's folder, not `-c`'s ''
 import snakemake.api, snakemake.cli, snakemake.dag, snakemake.workflow
@@ -61,6 +61,9 @@ def child(request):
     except BaseException:
         traceback.print_exc()
     finally:
+        # what an interpreter does as it exits, which os._exit skips: the workflow's closing
+        # lines are printed from an atexit handler (imgclf.run_end)
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -289,6 +289,16 @@ def test_real_run_as_typed(command, real_runs):
         assert_batch_follows_the_plan(folder, entry, summarized == entry)
 
 
+def test_a_run_of_one_target_ends_with_what_that_target_made(real_runs):
+    """The LR stage of g5 alone ends with its LR: no top-1, model or report of another run."""
+    folder, res = real_runs("snakemake results/lr/g5_summary.json")
+    s = json.loads((folder / "results/lr/g5_summary.json").read_text())
+    assert res.stderr.rstrip().splitlines()[-2:] == [
+        "Results of cluster 'g5':",
+        f"  LR        {s['training_lr']:.3g} for global batch {s['global_batch']}, from the LR "
+        f"finder"], res.stderr[-2000:]
+
+
 def assert_batch_follows_the_plan(work: Path, entry: str, summarized: bool) -> None:
     from imgclf import settings
     from imgclf.lr import scaling as lr_scaling

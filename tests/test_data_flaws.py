@@ -90,6 +90,8 @@ def test_folder_problems_fail_in_one_sentence_with_the_findings_kept(flaw, workf
     assert res.returncode != 0 and "Traceback" not in out
     sentence = next(line for line in out.splitlines() if "Hydration check failed" in line)
     assert one_sentence(sentence) and str(folder) in sentence
+    # what the run prints last, after Snakemake's command line and WorkflowError
+    assert out.rstrip().splitlines()[-1] == sentence.split(" ERROR ", 1)[1]
     # each problem with its fix, none hidden behind a count: the empty folder's class is also
     # missing from val/
     assert "add that folder with the class's images" in sentence and "more" not in sentence

@@ -88,6 +88,40 @@ def test_the_complete_runs_training_is_ddp_over_two_processes_through_the_cli(de
         assert written.stat().st_mode & 0o777 == 0o666 & ~umask, written
 
 
+def test_the_complete_run_ends_with_what_it_made(demo_run):
+    """The last lines of `./run.sh demo` (after Snakemake's "Complete log(s)" and "Elapsed
+    time"): top-1, the training's LR and its figure, its time against the forecast, where the
+    model is and how to build the report, each figure as the artifacts hold it."""
+    out = (demo_run / "snakemake_output.txt").read_text().rstrip().splitlines()
+    ev = json.loads((demo_run / "results/eval/local.json").read_text())
+    s = json.loads((demo_run / "results/train/local/train_summary.json").read_text())
+    tail = out[out.index("Results of cluster 'local':") + 1:]
+    assert len(tail) == 5 and "Elapsed time" in "".join(out[-8:]), out[-10:]
+    assert tail[0] == (f"  top-1     {100 * ev['top1']:.1f} % on {ev['num_images']} validation "
+                       f"images (results/eval/local.json)")
+    assert tail[1] == (f"  LR        {s['lr']['value']:.3g} for global batch 128, from the LR "
+                       f"finder (figure: results/lr/local.png)")
+    seconds = s["against_forecast"]["actual"]["seconds"]
+    assert re.fullmatch(rf"  time      training took {hms(seconds)} against the forecast's "
+                        rf"\d:\d\d:\d\d \([+-]\d+ %\)", tail[2]), tail[2]
+    assert tail[3] == "  model     results/export/local (`imgclf predict results/export/local " \
+                      "<images>`)" and (demo_run / "results/export/local/model.onnx").is_file()
+    assert tail[4].startswith("  report    results/report.html, which `snakemake --report")
+
+
+def test_a_run_of_one_target_tells_of_its_artifacts_alone(demo_run, monkeypatch):
+    """In the complete run's folder, a run whose jobs made only the LR summary (and what it
+    needs) ends with its LR, nothing of the evaluation, training or model beside it."""
+    from imgclf import run_end
+
+    monkeypatch.chdir(demo_run)
+    outputs = {"results/memory/local.json", "results/lr/local_summary.json"}
+    lr = json.loads((demo_run / "results/lr/local_summary.json").read_text())
+    assert run_end.summary(outputs, ["g5", "local"]) == [
+        "Results of cluster 'local':",
+        f"  LR        {lr['training_lr']:.3g} for global batch 128, from the LR finder"]
+
+
 def test_killed_training_resumes_from_last_checkpoint(demo_run, demo_run_copy):
     work = demo_run_copy
     (work / "resume.yaml").write_text(RESUME)

@@ -74,7 +74,8 @@ def table(name: str) -> str:
 # that reruns redraws it; a figure's edit redraws it alone.
 # the export reads the evaluation's figures and the trained weights
 EXPORT = {"export_model", "all"}
-EVAL = {"evaluate", "plot_evaluation", table("eval")} | EXPORT
+# the report's landing page reads the evaluation and the training's summary
+EVAL = {"evaluate", "plot_evaluation", table("eval"), "report_landing"} | EXPORT
 TRAIN = {"train_model", "plot_training"} | EVAL
 # training takes the forecast as `ancient`: a new forecast (a price) does not retrain
 FORECAST = {"forecast", table("forecast"), "all"}
@@ -189,12 +190,13 @@ CODE_CASES = {
     "forecast.py": ("forecast.py", (), FORECAST),
     "noise_scale.py": ("noise_scale.py", (), NOISE),
     "report_tables.py": ("report_tables.py", (), TABLES | {"all"}),
+    "headline.py": ("headline.py", (), {"report_landing", "all"}),
     # a figure's module: its figure alone, never the stage it shows (nor a training)
-    "figures/lr.py": ("figures/lr.py", (), {"plot_lr", "all"}),
+    "figures/lr.py": ("figures/lr.py", (), {"plot_lr", "report_landing", "all"}),
     "figures/training.py": ("figures/training.py", (), {"plot_training", "all"}),
     "figures/evaluation.py": ("figures/evaluation.py", (), {"plot_evaluation", "all"}),
     # what the figures share: every figure of `all`, and no compute job
-    "figures/common.py": ("figures/common.py", (), PLOT_RULES | {"all"}),
+    "figures/common.py": ("figures/common.py", (), PLOT_RULES | {"report_landing", "all"}),
     # the stages up to the LR summary do not run evaluate.py
     "evaluate.py, unrelated to the LR summary": ("evaluate.py", ("results/lr/local_summary.json",),
                                                  set()),
@@ -465,8 +467,16 @@ def report_results(html: str) -> dict:
     return json.JSONDecoder().raw_decode(html, start)[0]
 
 
+def landing_page(html: str) -> str:
+    """The report's landing page (Snakemake's `report:` directive), as the report embeds it."""
+    marker = "var workflow_desc = "
+    return json.JSONDecoder().raw_decode(html, html.index(marker) + len(marker))[0]
+
+
 def test_report_embeds_every_figure_and_table_with_a_caption(demo_run):
-    """The README's report command, as typed (no --cores: the workflow profile has it)."""
+    """The README's report command, as typed (no --cores: the workflow profile has it). It
+    opens on the results (top-1, the LR with the LR finder's figure, the training's time
+    against the forecast), built without a docutils warning."""
     from test_commands import run, usage_commands
 
     command = next(c for c in usage_commands() if "--report" in c)
@@ -484,6 +494,16 @@ def test_report_embeds_every_figure_and_table_with_a_caption(demo_run):
     assert f"<td>{loader['choice']['decoder']}</td>" in (demo_run / REPORT_TABLES[0]).read_text()
     ev = json.loads((demo_run / "results/eval/local.json").read_text())
     assert f"{100 * ev['top1']:.2f} %" in (demo_run / REPORT_TABLES[3]).read_text()
+    page = landing_page((demo_run / "results/report.html").read_text())
+    s = json.loads((demo_run / "results/train/local/train_summary.json").read_text())
+    assert f"{100 * ev['top1']:.1f} % on {ev['num_images']} validation images" in page, page
+    assert f"{s['lr']['value']:.3g} for global batch 128, from the LR finder" in page
+    figure = base64.b64encode((demo_run / "results/lr/local.png").read_bytes()).decode()
+    assert re.search(rf'<img [^>]*src="data:image/png;[^"]*base64,{re.escape(figure)}"', page)
+    assert re.search(r"training took \d:\d\d:\d\d against the forecast(?:'|&#x27;|&#39;)s "
+                     r"\d:\d\d:\d\d \([+-]\d+ %\)", page), page
+    assert "WARNING/" not in out(res) and "ERROR/" not in out(res)
+    assert "system-message" not in page  # docutils' warnings, shown in the page
 
 
 def test_the_forecast_comes_before_training_and_beside_its_outcome(demo_run):

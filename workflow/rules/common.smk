@@ -101,6 +101,12 @@ def verdict_census(wildcards):
     return slices.census_key(wildcards.cluster)
 
 
+def report_landing_page(cluster):
+    """The report's landing page: the entry's, once a run made it, else one that says how."""
+    made = Path(f"results/report/{cluster}/landing.rst")
+    return str(made.resolve()) if made.is_file() else "../report/workflow.rst"
+
+
 def report_table_source(wildcards):
     """The stage JSON that a key table of the report is made from."""
     return report_tables.SOURCES[wildcards.table].format(cluster=wildcards.cluster)
@@ -145,6 +151,7 @@ def all_targets(cluster):
             for name in config["predict"]["sets"]
         ),
         *(f"results/report/{cluster}/{table}.html" for table in report_tables.TABLES),
+        f"results/report/{cluster}/landing.rst",
     ]
 
 

@@ -19,3 +19,28 @@ rule report_table:
     localrule: True
     script:
         "../scripts/report_table.py"
+
+
+# The report's landing page: the results of the run's entry in a few facts (imgclf.headline),
+# once the run has made them; until then a page that says so. Chosen as the Snakefile is read,
+# so that a report built before the first complete run still builds.
+report: report_landing_page(config["cluster"])
+
+
+rule report_landing:
+    """The report's landing page for a hardware entry: top-1, the training's LR with the LR
+    finder's figure, the training's time against its forecast, where the model is (the lines
+    a run prints at its end, from the same artifacts)."""
+    input:
+        eval="results/eval/{cluster}.json",
+        train="results/train/{cluster}/train_summary.json",
+        figure="results/lr/{cluster}.png",
+        code=code("headline"),
+    output:
+        "results/report/{cluster}/landing.rst",
+    log:
+        "logs/report/{cluster}_landing.log",
+    # a few JSON fields into a page, in a second: not worth a queued Slurm job
+    localrule: True
+    script:
+        "../scripts/report_landing.py"

@@ -7,8 +7,5 @@ from imgclf.slurm import plugin as slurm_plugin
 # wraps its status query
 slurm_plugin.job_states_without_who()
 
-
-onerror:
-    # a job Slurm removed at its deadline has no log of its own: say why here
-    for sentence in slurm_plugin.deadline_sentences(log):
-        print(sentence, file=sys.stderr)
+# A job Slurm removed at its deadline has no log of its own: the Snakefile's `onerror:` (the
+# one handler Snakemake keeps) says why, with slurm_plugin.deadline_sentences.

@@ -1,0 +1,90 @@
+"""What a run's results come to, in a few facts: top-1, the training's LR (with the LR finder's
+figure), its time against the forecast, where the model is. The terminal prints them when a run
+ends (imgclf.run_end) and the report opens on them (results/report/{cluster}/landing.rst), from
+the same artifacts, so that the two never disagree.
+
+Each fact is given only for an artifact in `made` (paths as the rules name them): a run of one
+target tells of that target's artifacts alone."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from imgclf.progress import hms
+
+SOURCES = {"lr_finder": "the LR finder", "recipe": "the recipe",
+           "validation": "the LR validation"}
+
+
+def _read(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def paths(c: str) -> dict[str, str]:
+    return {"eval": f"results/eval/{c}.json", "train": f"results/train/{c}/train_summary.json",
+            "lr": f"results/lr/{c}_summary.json", "figure": f"results/lr/{c}.png",
+            "forecast": f"results/forecast/{c}.json", "export": f"results/export/{c}"}
+
+
+def facts(c: str, made: set[str]) -> list[tuple[str, str]]:
+    """(what, sentence) pairs of hardware entry `c`'s artifacts in `made`."""
+    p, found = paths(c), []
+    figure = f" (figure: {p['figure']})" if p["figure"] in made else ""
+    if p["eval"] in made:
+        d = _read(p["eval"])
+        found.append(("top-1", f"{100 * d['top1']:.1f} % on {d['num_images']} validation "
+                               f"images ({p['eval']})"))
+    if p["train"] in made:
+        found += trained(_read(p["train"]), figure)
+    elif p["lr"] in made:
+        d = _read(p["lr"])
+        found.append(("LR", f"{d['training_lr']:.3g} for global batch {d['global_batch']}, "
+                            f"from the LR finder{figure}"))
+    if p["forecast"] in made and p["train"] not in made \
+            and (said := _read(p["forecast"]).get("sentence")):
+        found.append(("forecast", f"{said.rstrip('.')} ({p['forecast']})"))
+    if p["export"] in made:
+        found.append(("model", f"{p['export']} (`imgclf predict {p['export']} <images>`)"))
+    return found
+
+
+def trained(t: dict, figure: str) -> list[tuple[str, str]]:
+    """The training's LR (`figure`: where the LR finder's is, when it chose it) and its time
+    against the forecast."""
+    lr = t["lr"]
+    found = [("LR", f"{lr['value']:.3g} for global batch {t['global_batch']}, from "
+                    f"{SOURCES.get(lr['source'], lr['source'])}"
+                    f"{figure if lr['source'] == 'lr_finder' else ''}")]
+    vs = t.get("against_forecast") or {}
+    if vs.get("forecast") and vs.get("actual"):
+        expected, actual = vs["forecast"]["seconds"], vs["actual"]["seconds"]
+        found.append(("time", f"training took {hms(actual)} against the forecast's "
+                              f"{hms(expected)} ({100 * (actual / expected - 1):+.0f} %)"))
+    return found
+
+
+def landing(c: str, made: set[str]) -> str:
+    """The report's landing page (reStructuredText): the facts, then the LR finder's figure as
+    a data URI, as the report holds every figure (Snakemake's own `embeddedimage` directive
+    leaves the file's path in the page, which the one-file report cannot reach)."""
+    title = f"Results of cluster {c}"
+    lines = [title, "=" * len(title), ""]
+    for what, said in facts(c, made):
+        lines.append(f":{what}: {said.replace('`', '``')}")
+    figure = paths(c)["figure"]
+    if figure in made:
+        data = base64.b64encode(Path(figure).read_bytes()).decode()
+        # the URI over lines of 76 (docutils refuses a line over 10,000 characters and joins
+        # an image's URI lines)
+        lines += ["", "The LR finder's runs and the chosen LR:", "",
+                  ".. image:: data:image/png;base64,",
+                  *(f"   {data[i:i + 76]}" for i in range(0, len(data), 76)),
+                  "   :alt: the LR range tests and the chosen LR", "   :width: 720px"]
+    lines += ["", "Every stage's figures and tables are under the categories on the left.", ""]
+    return "\n".join(lines)
+
+
+def run(c: str, made: list[str], out) -> None:
+    Path(out).write_text(landing(c, set(made)))
