@@ -18,13 +18,15 @@ import torch
 import yaml
 from PIL import Image
 
-from conftest import REPO, SMALL_MODEL, demo_workflow, snakemake
+from conftest import REPO, SMALL_MODEL, demo_workflow, one_sentence, snakemake
 from imgclf import settings, slices
 from imgclf.lr import find as lr_find
 from imgclf.lr import scaling as lr_scaling
 from imgclf.lr import summary as lr_summary
 from imgclf.errors import UserError
 from imgclf.artifacts import Plan
+from imgclf.train import job as train_job
+from imgclf.train import resume as train_resume
 
 LRS = np.logspace(-5, 1, 121)  # 20 points per decade
 
@@ -202,6 +204,56 @@ def test_auto_scaling_follows_the_optimizer_and_says_why(recipe, rule, factor):
 def test_torchvision_v2_reference_lr_at_global_batch():
     s = lr_summary.summarize([fake_run(0, 0.1)], plan(512), CFG, "torchvision_v2")
     assert s["reference_lr"] == pytest.approx(0.5 * 512 / 1024)
+
+
+def test_a_forced_scaling_moves_the_recipes_lr_for_the_report_and_training_alike(
+        tmp_path, monkeypatch):
+    """`lr_finder.scaling: linear` with a LAMB recipe (square root by its own convention) and
+    `train.lr_source: recipe`: the LR summary's recipe reference and the LR the training job
+    takes are one number, the recipe's 5e-3 at batch 2048 moved linearly to global batch 512
+    (the slices and the job as the workflow makes them, the memory solve written by hand)."""
+    config = settings.load(overrides={"lr_finder": {"scaling": "linear"},
+                                      "train": {"lr_source": "recipe"},
+                                      "model": {"recipe": "rsb_a2"}})
+    memory = tmp_path / "memory.json"
+    memory.write_text(json.dumps({
+        "cluster": "local", "per_device_batch": 256, "accumulate_grad_batches": 1,
+        "global_batch": 512, "devices_per_node": 2, "nodes": 1, "num_workers": 0,
+        "prefetch_factor": None, "decoder": "pil", "method": "estimated", "accelerator": "cpu"}))
+    sp = slices.lr_summary_params(config, "local")
+    summary = lr_summary.summarize([fake_run(0, 0.01)], Plan.read(memory, "local"), sp["cfg"],
+                                   sp["recipe_name"])
+    monkeypatch.chdir(tmp_path)  # the params' census reads results/ of the working directory
+    monkeypatch.setenv(train_resume.DECISION_ENV, "")  # the job's resume decision, undone after
+    job = train_job.prepare(slices.train_params(config, "local"), memory,
+                            slices.lr_file("recipe", "local"), tmp_path / "train")
+    assert summary["reference_lr"] == pytest.approx(5e-3 * 512 / 2048)
+    assert job.lr["value"] == pytest.approx(summary["reference_lr"])
+    assert "linear scaling" in job.lr["detail"] and "set by `lr_finder.scaling`" in job.lr["detail"]
+
+
+def test_the_recipe_sources_scaling_never_replans_a_short_run(tmp_path, monkeypatch):
+    """A short run of an experiment brings its LR in its shape: the scaling that
+    `train.lr_source: recipe` adds to training's params stays out of the runs' params, so
+    switching to the recipe's LR, or its rule, redoes no run of the LR validation."""
+    monkeypatch.chdir(tmp_path)  # the params' census reads results/ of the working directory
+    recipe = settings.load(overrides={"train": {"lr_source": "recipe"},
+                                      "lr_finder": {"scaling": "sqrt"}})
+    assert slices.train_params(recipe, "local")["lr_finder"] == {"scaling": "sqrt"}
+    assert slices.validate_lr_run_params(recipe, "local") == \
+        slices.validate_lr_run_params(settings.load(), "local")
+
+
+def test_runs_made_at_different_batches_are_refused():
+    """A run made at another effective batch (`imgclf lr-find --batch-size`, or a plan changed
+    between runs) found an LR for that batch: the summary names the runs and how to redo them
+    rather than scale the median from the first run's batch."""
+    other = {**fake_run(1, 0.02), "batch_size": 32, "effective_batch": 32}
+    with pytest.raises(UserError) as e:
+        lr_summary.summarize([fake_run(0, 0.01), other, fake_run(2, 0.02)], plan(256), CFG,
+                             "goyal")
+    assert "run 1 at 32; runs 0, 2 at 64" in str(e.value)
+    assert "snakemake --forcerun lr_find" in str(e.value) and one_sentence(str(e.value))
 
 
 CPU_ENTRY = {"name": "local", "accelerator": "cpu", "gpu_model": "none"}

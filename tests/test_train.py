@@ -123,7 +123,8 @@ def plan_for(batch=32, world=2, accumulate=1) -> Plan:
 def test_lr_source_recipe_and_finder(tmp_path):
     rec = recipes.get("torchvision_v2")
     plan = plan_for(batch=128, world=2)  # global batch 256
-    r = train_learning_rate.resolve_lr("recipe", tmp_path / "absent.json", rec, plan)
+    r = train_learning_rate.resolve_lr("recipe", tmp_path / "absent.json", rec, plan,
+                                       {"scaling": "auto"})
     assert r["value"] == pytest.approx(0.5 * 256 / 1024) and r["source"] == "recipe"
     assert "linear scaling" in r["detail"]
     with pytest.raises(UserError, match="absent.json does not exist"):
@@ -147,7 +148,8 @@ def test_lr_source_recipe_and_finder(tmp_path):
 
 def test_recipe_lr_of_an_adaptive_optimizer_scales_by_the_square_root(tmp_path):
     rec = recipes.get("rsb_a2")  # LAMB, 5e-3 at 2048
-    r = train_learning_rate.resolve_lr("recipe", tmp_path / "absent.json", rec, plan_for(batch=256, world=2))
+    r = train_learning_rate.resolve_lr("recipe", tmp_path / "absent.json", rec,
+                                       plan_for(batch=256, world=2), {"scaling": "auto"})
     assert r["value"] == pytest.approx(5e-3 * (512 / 2048) ** 0.5) and "sqrt" in r["detail"]
 
 

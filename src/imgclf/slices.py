@@ -231,7 +231,10 @@ def forecast_params(config: dict, cluster_name: str) -> dict:
 def train_params(config: dict, cluster_name: str) -> dict:
     """train: the data root and its census, `model.*`, `train.*` and the resolved hardware
     entry (the memory solve and the LR summary are input files, not config). The census makes a
-    data set changed at the same path a new training, never a resume of the old one."""
+    data set changed at the same path a new training, never a resume of the old one. With
+    `train.lr_source: recipe`, `lr_finder.scaling` too: it moves the recipe's LR to the global
+    batch (imgclf.lr.scaling.recipe_lr); otherwise it reaches training through the LR summary."""
+    recipe_source = config["train"]["lr_source"] == "recipe"
     return canonical({
         "data_root": _root(config, cluster_name),
         "index": index_files(cluster_name),
@@ -239,6 +242,7 @@ def train_params(config: dict, cluster_name: str) -> dict:
         "model": model_with_weights(config, cluster_name),
         "train": config["train"],
         "cluster": stage_hardware(config, cluster_name),
+        **({"lr_finder": {"scaling": config["lr_finder"]["scaling"]}} if recipe_source else {}),
     })
 
 
@@ -278,6 +282,7 @@ def short_run_params(config: dict, cluster_name: str, seed: int) -> dict:
     replan one: one best checkpoint besides last.ckpt, as the runs are compared by their final
     figures, and five multiples x top-5 checkpoints would be wasted disk."""
     params = train_params(config, cluster_name)
+    params.pop("lr_finder", None)  # the scaling of `lr_source: recipe`: the shape brings its LR
     params["train"] = {**params["train"], "lr_source": "lr_finder", "seed": seed,
                        "save_top_k": 1}
     return canonical(params)

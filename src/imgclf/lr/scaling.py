@@ -1,6 +1,7 @@
 """Scaling a learning rate from the batch it was found or published at to the batch that trains
 with it, by a stated rule: one source for the LR summary, the recipe's LR, the noise-scale
-measurement and training."""
+measurement and training. The rule is decided once (`scaling_rule`, from `lr_finder.scaling`)
+for every LR moved between batches, the recipe's included (`recipe_lr`)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,18 @@ def scaling_rule(cfg: dict, recipe) -> tuple[str, str]:
     return rule, f"`lr_finder.scaling: auto` for the recipe's optimizer: {why}"
 
 
-def recipe_lr(recipe, global_batch: int) -> tuple[float, str, str]:
-    """(the recipe's LR scaled to `global_batch` by its optimizer's rule, the rule, why)."""
-    rule, why = scaling_rule({"scaling": "auto"}, recipe)
-    return scale_lr(recipe.lr, recipe.ref_batch, global_batch, rule), rule, why
+def lr_at_batch(cfg: dict, recipe, lr: float, from_batch: int,
+                to_batch: int) -> tuple[float, str, str]:
+    """(`lr`, stated at `from_batch`, moved to `to_batch`; the rule; why): the one decision of
+    how an LR moves between batches, for the LR finder's LR and the recipe's alike. `cfg` is
+    the `lr_finder` slice: its `scaling` is the user's statement of that rule, or with `auto`
+    the recipe's optimizer's own convention (the one its LR was published with)."""
+    rule, why = scaling_rule(cfg, recipe)
+    return scale_lr(lr, from_batch, to_batch, rule), rule, why
+
+
+def recipe_lr(cfg: dict, recipe, global_batch: int) -> tuple[float, str, str]:
+    """(the recipe's LR moved from its reference batch to `global_batch`, the rule, why): the
+    LR summary's `reference_lr` and what `train.lr_source: recipe` trains at, so that the
+    report never shows another recipe LR than the one training uses."""
+    return lr_at_batch(cfg, recipe, recipe.lr, recipe.ref_batch, global_batch)

@@ -13,7 +13,7 @@ import numpy as np
 from imgclf import artifacts, recipes
 from imgclf.artifacts import Plan
 from imgclf.errors import UserError
-from imgclf.lr.scaling import scale_lr, scaling_rule
+from imgclf.lr.scaling import lr_at_batch, recipe_lr
 from imgclf.provenance import write_artifact
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,23 @@ def _check_spread(sp: dict, cfg: dict) -> str | None:
     return msg
 
 
+def finder_batch(runs: list[dict]) -> int:
+    """The effective batch all the runs were made at, the one their LR is scaled from: runs at
+    different batches found LRs for different batches, whose median is no LR of either."""
+    batches = {}
+    for r in runs:
+        batches.setdefault(int(r["effective_batch"]), []).append(str(r["run"]))
+    if len(batches) > 1:
+        at = "; ".join(f"run{'s' * (len(names) > 1)} {', '.join(names)} at {b}"
+                       for b, names in sorted(batches.items()))
+        raise UserError(f"The LR-finder runs were made at different effective batches ({at}): "
+                        f"rerun them at one batch with `snakemake --forcerun lr_find`.")
+    return next(iter(batches))
+
+
 def summarize(runs: list[dict], plan: Plan, cfg: dict, recipe_name: str) -> dict:
     """The chosen LR over the runs and the training LR at the plan's global batch."""
-    method = cfg["suggestion"]
+    method, from_batch = cfg["suggestion"], finder_batch(runs)
     per_run = [read_curve(r, cfg) for r in runs]
     valid = [p["suggestions"][method] for p in per_run if not p["excluded"]]
     if not valid:
@@ -132,16 +146,14 @@ def summarize(runs: list[dict], plan: Plan, cfg: dict, recipe_name: str) -> dict
     sp = spread(valid)
     warnings = [f"run {p['run']} excluded: {'; '.join(p['flags'])}" for p in per_run if p["excluded"]]
     warnings += [w for w in [_check_spread(sp, cfg)] if w]
-    recipe = recipes.get(recipe_name)
-    rule, why = scaling_rule(cfg, recipe)
-    finder_batch, global_batch = runs[0]["effective_batch"], plan.global_batch
+    recipe, global_batch = recipes.get(recipe_name), plan.global_batch
+    training_lr, rule, why = lr_at_batch(cfg, recipe, chosen, from_batch, global_batch)
     return {
         "method": method, "runs": per_run, "valid_runs": len(valid),
         "suggested_lr": suggested, "multiple": cfg["multiple"], "chosen_lr": chosen, "spread": sp,
-        "lr_finder_batch": runs[0]["batch_size"], "lr_finder_effective_batch": finder_batch,
+        "lr_finder_batch": runs[0]["batch_size"], "lr_finder_effective_batch": from_batch,
         "global_batch": global_batch, "scaling": rule, "scaling_reason": why,
-        "training_lr": scale_lr(chosen, finder_batch, global_batch, rule),
-        "reference_lr": scale_lr(recipe.lr, recipe.ref_batch, global_batch, rule),
+        "training_lr": training_lr, "reference_lr": recipe_lr(cfg, recipe, global_batch)[0],
         "reference": f"{recipe.name}: {recipe.lr} at batch {recipe.ref_batch}, {rule} scaling",
         "batch_mixing": runs[0].get("batch_mixing", "not recorded"),
         "warnings": warnings,

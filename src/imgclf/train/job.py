@@ -113,7 +113,7 @@ def prepare(params: dict, memory_path, lr_file, out_dir, run_path=None) -> Job:
                        accumulate_grad_batches=run.accumulate_grad_batches)
         lr, epochs = run.lr, run.epochs
     else:
-        lr, epochs = resolve_lr(t["lr_source"], lr_file, recipe, plan), \
+        lr, epochs = resolve_lr(t["lr_source"], lr_file, recipe, plan, params.get("lr_finder")), \
             recipe.planned_epochs(t["epochs"])
     digest = train_digest(params, t, plan, lr, recipe, run)
     resume = agreed_resume(Path(out_dir) / "checkpoints", digest,

@@ -10,13 +10,20 @@ from imgclf.errors import UserError
 from imgclf.lr.scaling import recipe_lr
 
 
-def resolve_lr(source: str, lr_file, recipe: recipes.Recipe, plan: Plan) -> dict:
+def resolve_lr(source: str, lr_file, recipe: recipes.Recipe, plan: Plan,
+               scaling: dict | None = None) -> dict:
     """Peak LR and where it came from (recorded in the summary and the digest). `lr_file`: the
-    LR summary, or with `validation` the LR validation JSON (the LR its grid's best)."""
+    LR summary, or with `validation` the LR validation JSON (the LR its grid's best).
+    `scaling`: with `recipe`, the `lr_finder` slice that decides the rule, as for the LR
+    summary's `reference_lr` (imgclf.lr.scaling.recipe_lr)."""
     if source == "validation":
         return validated_lr(lr_file, plan)
     if source == "recipe":
-        value, rule, why = recipe_lr(recipe, plan.global_batch)
+        if scaling is None:
+            raise UserError("The train params lack `lr_finder.scaling`, which scales the "
+                            "recipe's LR for `train.lr_source: recipe`: make them with "
+                            "slices.train_params.")
+        value, rule, why = recipe_lr(scaling, recipe, plan.global_batch)
         return {"value": value, "source": "recipe", "global_batch": plan.global_batch,
                 "detail": f"recipe {recipe.name}: {recipe.lr:g} at batch {recipe.ref_batch}, "
                           f"{rule} scaling to global batch {plan.global_batch} ({why})"}
