@@ -818,6 +818,17 @@ MUTATIONS = [
              '    pass',
              ('tests/test_lr.py::test_the_recipe_sources_scaling_never_replans_a_short_run',),
              "switching training to the recipe's LR would have redone every run of the LR validation"),
+    Mutation('resources-command-misstates-the-forecasts-cpus', 'src/imgclf/slurm/request.py',
+             'return [1], "one CPU: it computes in a second"',
+             'return [device_cpus(entry)], "one CPU: it computes in a second"',
+             ('tests/test_slurm_shapes.py::test_imgclf_resources_shows_what_the_plugin_submits_for_each_job',),
+             "`imgclf resources` showed a GPU entry's forecast another request than the plugin submits"),
+    Mutation('resources-command-gives-the-export-a-gpu', 'src/imgclf/slurm/request.py',
+             'Job("export_model", "device_cpus"),',
+             'Job("export_model", "device_cpus", "one_device"),',
+             ('tests/test_slurm_shapes.py::test_imgclf_resources_knows_every_rules_kind_of_job',
+              'tests/test_slurm_shapes.py::test_docs_slurm_shows_what_imgclf_resources_prints'),
+             "`imgclf resources` and docs/slurm.md drifted from the export rule's declared request"),
 ]
 
 

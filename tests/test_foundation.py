@@ -257,7 +257,8 @@ def test_slurm_jobs_keep_their_gpu_requests_from_a_login_node_without_gpus(tmp_p
 
 
 STAGE_COMMANDS = ("demo-data", "check-hydration", "benchmark-loader", "solve-memory", "lr-find",
-                  "lr-summary", "train", "evaluate", "export", "predict", "provenance")
+                  "lr-summary", "train", "evaluate", "export", "predict", "resources",
+                  "provenance")
 
 
 @pytest.mark.slow

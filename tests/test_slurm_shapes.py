@@ -5,7 +5,8 @@ from a login node of fewer cores, and the sbatch lines the plugin builds from th
 (slurm_cluster.py), without running them: its partition of typed GPUs accepts every job of the
 GPU entries (and of the 8-CPU entry, whose nodes only it has), its CPU partition, which has no
 GPU, every job of the other CPU entries, and it refuses a GPU request there; and a one-task
-entry's training run through the cluster."""
+entry's training run through the cluster. `imgclf resources` shows the same requests, rule by
+rule, and docs/slurm.md its output for the shipped entries."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import re
 import pytest
 
 from conftest import copy_workflow, snakemake
-from imgclf import hardware, settings
+from imgclf import cli, hardware, settings
 from imgclf.slurm import jobs as slurm_jobs
+from imgclf.slurm import request
 from slurm_cluster import (CLUSTER_YAML, GPU_PARTITION, entry, jobs_under_slurm, rules_submitted,
                            run_slurm, sacct, sbatch_test_only, slurm_job_of, submit_line,
                            with_profile)
@@ -144,6 +146,94 @@ def test_a_job_of_one_device_asks_for_the_share_its_loader_plan_assumes(planned)
             assert cpus == share, (name, rule, line)
             assert margin * per_device <= mem <= per_device, (name, rule, mem, per_device)
         assert seen == rules, (name, rules - seen)
+
+
+# The sbatch options of a job's request: CPUs, memory, GPUs, nodes, tasks and time
+SBATCH_OPTIONS = re.compile(r" (--cpus-per-task=\S+|--mem-per-cpu \S+|--mem \S+|--gpus=\S+|"
+                            r"--gres=\S+|-C \S+|--nodes=\S+|--ntasks-per-node=\S+|--ntasks=\S+|"
+                            r"-t \S+)")
+TIME_OF = {job.rule: job.time for job in request.JOBS}
+
+
+def _options(line: str, rule: str) -> set[str]:
+    """A job's request in its sbatch line; its time only where no run's artifact decides it."""
+    return {o for o in SBATCH_OPTIONS.findall(line)
+            if TIME_OF[rule] == "profile" or not o.startswith("-t ")}
+
+
+def test_imgclf_resources_shows_what_the_plugin_submits_for_each_job(planned):
+    """Each row of `imgclf resources` for an entry is the request of that rule's job as the
+    rules hand it to the plugin: the same CPUs, memory, GPUs, nodes and tasks, and the
+    profile's time where no forecast or step budget decides it, on GPU entries, on CPU ranks
+    and where the CPUs do not divide among the GPUs (v100x3) or an LR run's round (cpu8)."""
+    work, lines = planned
+    config = settings.load([work / "shapes.yaml"])
+    for name, jobs in lines.items():
+        shown = {}
+        for row in request.requests(config, settings.cluster(config, name)):
+            rule = row.rule.split()[0]
+            line = submit_line(row.resources, row.threads, PARTITION[name], str(work))
+            shown.setdefault(rule, []).append(_options(line, rule))
+        for rule, line in jobs:
+            # the local rules run where Snakemake runs; the Snakefile's targets, nothing
+            if rule not in (*request.LOCAL_RULES, "all", "train"):
+                assert _options(line, rule) in shown[rule], (name, rule, line, shown[rule])
+
+
+def _declared_jobs() -> tuple[set, set]:
+    """(each rule's Job as its declaration in workflow/rules names its threads, GPUs and time,
+    the local rules)."""
+    declared, local = set(), set()
+    for path in (settings.REPO / "workflow" / "rules").glob("*.smk"):
+        for block in re.split(r"\n(?=(?:rule|checkpoint) \w+:)", path.read_text()):
+            if not (m := re.match(r"(?:rule|checkpoint) (\w+):", block)):
+                continue
+            rule, threads = m[1], re.search(r"\n    threads: (\w+)", block)
+            cpus = re.search(r"\*\*(?:device_job|slurm_cpus)\((\w+)(?:, (\w+))?\)", block)
+            if "localrule: True" in block:
+                local.add(rule)
+            elif "**training_resources()" in block:
+                time = "forecast" if "**training_time()" in block else "run"
+                declared.add(request.Job(rule, gpus="training", time=time))
+            elif cpus:
+                assert threads and threads[1] == cpus[1], (rule, path)
+                gpus = cpus[2] or "one_device" if "**device_job(" in block else None
+                declared.add(request.Job(rule, cpus[1], gpus))
+            else:
+                declared.add(request.Job(rule))
+    return declared, local
+
+
+def test_imgclf_resources_knows_every_rules_kind_of_job():
+    """`imgclf resources` lists every rule of the workflow: each Slurm job with the threads,
+    GPU count and time its rule declares (a rule changed or added there shows here), and the
+    local rules as no job."""
+    declared, local = _declared_jobs()
+    assert set(request.JOBS) == declared
+    assert set(request.LOCAL_RULES) == local
+
+
+DOC_TABLE = re.compile(r"<!-- `(imgclf resources [^`]*)` -->\n(.*?)\n<!-- end -->", re.S)
+
+
+def test_docs_slurm_shows_what_imgclf_resources_prints(capsys):
+    """docs/slurm.md's tables of what each job asks for are the command's output for the shipped
+    entries, so that the doc cannot drift from what the jobs ask for."""
+    tables = DOC_TABLE.findall((settings.REPO / "docs" / "slurm.md").read_text())
+    assert [command.split()[3] for command, _ in tables] == ["g5", "p3", "p4"]
+    for command, table in tables:
+        cli.main(command.split()[1:])
+        assert capsys.readouterr().out.strip() == table.strip(), \
+            f"docs/slurm.md differs from `{command}`: put its output between the markers"
+
+
+def test_imgclf_resources_of_an_unknown_cluster_names_the_entries(capsys):
+    """A misspelt entry ends in one sentence that names the entries there are."""
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["resources", "--cluster", "p9"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and "Traceback" not in err
+    assert "Unknown cluster 'p9'" in err and "g5, local, p3, p4" in err, err
 
 
 def test_the_cluster_accepts_every_job_of_each_shape(cluster, planned):

@@ -11,7 +11,7 @@ import os
 import sys
 
 from imgclf import settings, slices, stage
-from imgclf.slurm import requeue
+from imgclf.slurm import request, requeue
 
 
 def _common(p: argparse.ArgumentParser, cluster=True) -> None:
@@ -265,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     _data_commands(sub)
     _lr_commands(sub)
     _ddp_commands(sub)
+    request.add_parser(sub)
     p = sub.add_parser("provenance", help="print the provenance of result JSON files")
     p.add_argument("files", nargs="+")
     p.add_argument("--check", action="store_true",

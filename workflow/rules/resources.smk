@@ -13,6 +13,8 @@
 # compute node has), so under Slurm the CPUs go as the `cpus_per_task` resource, which the plugin
 # takes before threads; inside the allocation the job runs with `--cores all` and gets its
 # threads back.
+# `imgclf resources --cluster <entry>` prints what each rule asks for on an entry, and why
+# (imgclf.slurm.request, which names each rule's functions from here).
 from imgclf import budget
 from imgclf import memory as memory_solve
 from imgclf.slurm import jobs as slurm_jobs
