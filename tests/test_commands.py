@@ -64,6 +64,10 @@ HOW = {
     "./run.sh lock --upgrade": "it moves the locks to newer releases, which is a decision",
     ".venv/bin/python -m pytest -m gpu": "it runs the GPU tests, skipped without a GPU",
     ".venv/bin/python benchmarks/gpu.py": "it needs a CUDA GPU",
+    ".venv/bin/python benchmarks/export_check.py": "a benchmark: it exports ResNet-18 and "
+                                                   "ResNet-50 and times their checks, minutes",
+    "imgclf resources --cluster p4": "test_slurm_shapes.py runs it and holds docs/slurm.md's "
+                                     "tables to its output",
     ".venv/bin/python benchmarks/suite_cost.py --ignore-glob='tests/test_slurm*.py'":
         "it runs this suite, measured",
     ".venv/bin/python tests/mutations.py --list": "it lists what the next command runs",

@@ -7,7 +7,8 @@
 rule export_model:
     """The evaluated weights as model.safetensors, model.onnx (checked with onnxruntime against
     the PyTorch model on `export.check_images` validation images, on the job's CPUs), model.pt2
-    and model.json (classes, preprocessing, validation figures, the training it came from)."""
+    and model.json (classes, preprocessing, validation figures, the training it came
+    from)."""
     input:
         ckpt="results/train/{cluster}/best.ckpt",
         summary="results/train/{cluster}/train_summary.json",
