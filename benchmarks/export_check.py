@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from imgclf import data, export, hardware, recipes, settings
+from imgclf import export, hardware, recipes, settings
+from imgclf.data import datasets
 
 IMAGENET_VAL = 50_000
 
@@ -77,7 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_images(root, args.images)
-        dataset = data.val_dataset(str(root), "pil", args.resolution, recipes.get("goyal"))
+        dataset = datasets.val_dataset(str(root), "pil", args.resolution, recipes.get("goyal"))
         for arch in args.archs:
             (root / arch).mkdir()
             r = measure(arch, dataset, args.resolution, args.workers, root / arch)

@@ -14,7 +14,7 @@ files (created and ftruncate'd: they cost an inode each, no data blocks). Then, 
      hsm_state` calls made by `xargs -0 -n 512 -P 4`; alternately `--repeats` times, medians,
      each part and the sum; peak RSS of (a) (ru_maxrss of its own process);
   2. stat calls of the census per file, counted with strace on a 10-class subtree;
-  3. data set construction in a fresh process: `data.train_dataset(index, "pil", 224, goyal)`
+  3. data set construction in a fresh process: `datasets.train_dataset(index, "pil", 224, goyal)`
      against `torchvision.datasets.ImageFolder(root/train)`, alternately, medians;
   4. the decode rate per core of `integrity.check_image` on generated ImageNet-like JPEGs and on
      the demo digits, and on paper the full-decode check of ImageNet on a g5 (48 vCPUs) against
@@ -186,16 +186,17 @@ IMPORT_ONLY = "import sys; from imgclf import census"
 BUILD = r"""
 import json, sys, time
 start = time.perf_counter()
-from imgclf import data, recipes
-from torchvision import datasets
+from imgclf import recipes
+from imgclf.data import datasets, transforms
+from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2  # imported by every training process before its data
 imported = time.perf_counter()
 kind, source = sys.argv[1], sys.argv[2]
 if kind == "index":
-    ds = data.train_dataset(source, "pil", 224, recipes.get("goyal"))
+    ds = datasets.train_dataset(source, "pil", 224, recipes.get("goyal"))
 else:
-    ds = datasets.ImageFolder(source, transform=data.train_transform("pil", 224,
-                                                                     recipes.get("goyal")))
+    ds = ImageFolder(source, transform=transforms.train_transform("pil", 224,
+                                                                  recipes.get("goyal")))
 built = time.perf_counter()
 print(json.dumps({"import_s": imported - start, "build_s": built - imported,
                   "samples": len(ds), "classes": len(ds.classes)}))
@@ -433,7 +434,7 @@ def main(argv=None) -> int:
     print(f"\ndata set construction, fresh process each ({max(args.repeats, 3)} alternating "
           f"repeats; {prep['train']:,} samples; goyal transforms at 224 px on both):")
     bm = {}
-    for kind, label in (("index", "data.train_dataset(index)"),
+    for kind, label in (("index", "datasets.train_dataset(index)"),
                         ("ImageFolder", "ImageFolder(root/train)")):
         rows = built[kind]
         bm[kind] = statistics.median(x["build_s"] for x in rows)

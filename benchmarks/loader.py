@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from imgclf import data, hardware, loader_bench, recipes, settings
+from imgclf import hardware, loader_bench, recipes, settings
+from imgclf.data import datasets
 
 HERE = Path(__file__).resolve().parent
 
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     figures = {name: [] for name in pair}
     for _ in range(args.repeats):
         for name, (decoder, w, p) in pair.items():
-            ds = data.train_dataset(str(args.root), decoder, args.resolution, recipe)
+            ds = datasets.train_dataset(str(args.root), decoder, args.resolution, recipe)
             with loader_bench.torch_threads(1), warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # 12 workers on fewer CPUs
                 res = loader_bench.time_config(

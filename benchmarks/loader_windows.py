@@ -12,7 +12,8 @@ configuration timed, the median rate, the coefficient of variation and max/min o
 import statistics
 from pathlib import Path
 
-from imgclf import data, recipes
+from imgclf import recipes
+from imgclf.data import datasets
 from imgclf.loader_bench.timing import time_config, torch_threads, rss_kind
 
 DEMO = Path(__file__).resolve().parents[1] / "results" / "demo" / "digits"
@@ -24,7 +25,7 @@ REPEATS = 8
 def main() -> None:
     recipe, kind = recipes.get("demo"), rss_kind()
     for decoder, workers, prefetch in CONFIGS:
-        dataset = data.train_dataset(str(DEMO), decoder, 32, recipe)
+        dataset = datasets.train_dataset(str(DEMO), decoder, 32, recipe)
         for seconds in SECONDS:
             rates, batches = [], []
             with torch_threads(1):

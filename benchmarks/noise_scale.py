@@ -85,7 +85,8 @@ def steps_to_target(c: dict, batch: int, target: float, max_steps: int,
     """Steps of single-process SGD at `batch` (the same gradient as the ranks' all-reduced
     one), constant LR linearly scaled from the chosen one (the model's regime below the noise
     scale), until the validation loss is at most `target`; None if not within `max_steps`."""
-    from imgclf import data, noise_scale, one_device, recipes
+    from imgclf import noise_scale, one_device, recipes
+    from imgclf.data import datasets, loaders
     from imgclf.lr import scaling as lr_scaling
 
     plan, lr = c["plan"], c["lr"]
@@ -93,8 +94,8 @@ def steps_to_target(c: dict, batch: int, target: float, max_steps: int,
                                     "the benchmark", 2)
     step_lr = lr_scaling.scale_lr(lr.chosen_lr, lr.finder_batch, batch, "linear")
     opt = recipes.build_optimizer(run.net, run.recipe, lr=step_lr)
-    val = data.loader(data.val_dataset(c["source"], plan.decoder, c["model"]["resolution"],
-                                       run.recipe), 256, 0, None, shuffle=False)
+    val = loaders.loader(datasets.val_dataset(c["source"], plan.decoder, c["model"]["resolution"],
+                                              run.recipe), 256, 0, None, shuffle=False)
     every, batches, loss = max(1, eval_images // batch), noise_scale.endless(run.loader), None
     for step in range(1, max_steps + 1):
         x, y = next(batches)

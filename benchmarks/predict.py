@@ -7,7 +7,7 @@ timed in both) over the validation images of a data set root (ROOT/val/<class>/.
 demo's, results/demo/digits, of a workflow folder that ran it) and an export folder:
 - predict: predict.loop over predict.ImageFiles (top-k probabilities read back per batch, a
   bad file's error caught in its worker);
-- evaluation: evaluate.predict over data.IndexedImages of the same files (its file index built
+- evaluation: evaluate.predict over datasets.IndexedImages of the same files (its file index built
   from the folder as evaluation's is from the hydration check's), into evaluate.Accumulator
   (top-1, top-5, loss, confusion matrix on the device).
 Both decode and transform with the export's preprocessing (tests/test_predict.py checks it is
@@ -27,12 +27,13 @@ import time
 
 import torch
 
-from imgclf import data, evaluate, hardware, model_folder, predict, settings
+from imgclf import evaluate, hardware, model_folder, predict, settings
+from imgclf.data import datasets, loaders
 
 
 def predict_round(model, dataset, args, device, k: int) -> float:
-    loader = data.loader(dataset, args.batch_size, args.workers, 2 if args.workers else None,
-                         shuffle=False, pin_memory=device.type == "cuda")
+    loader = loaders.loader(dataset, args.batch_size, args.workers, 2 if args.workers else None,
+                            shuffle=False, pin_memory=device.type == "cuda")
     t = time.perf_counter()
     seen = sum(len(errors) for errors, _, _ in predict.loop(model, loader, device, k))
     elapsed = time.perf_counter() - t
@@ -41,8 +42,8 @@ def predict_round(model, dataset, args, device, k: int) -> float:
 
 
 def evaluation_round(model, dataset, args, device, classes: int) -> float:
-    loader = data.loader(dataset, args.batch_size, args.workers, 2 if args.workers else None,
-                         shuffle=False, pin_memory=device.type == "cuda")
+    loader = loaders.loader(dataset, args.batch_size, args.workers, 2 if args.workers else None,
+                            shuffle=False, pin_memory=device.type == "cuda")
     acc = evaluate.Accumulator(classes, device)
     elapsed = evaluate.predict(model, loader, device, "32", False, acc)
     assert acc.count == len(dataset)
@@ -64,8 +65,8 @@ def main() -> None:
     described = model_folder.read(args.model)
     pre, classes = described["preprocessing"], described["classes"]
     files = predict.find_files([os.path.join(args.data, "val")])
-    index = data.split_index(args.data, "val")
-    evaluation_set = data.IndexedImages(index, pre["decoder"], predict.transform(pre))
+    index = datasets.split_index(args.data, "val")
+    evaluation_set = datasets.IndexedImages(index, pre["decoder"], predict.transform(pre))
     assert sorted(map(os.path.normpath, files)) == \
         sorted(os.path.normpath(index.file(i)) for i in range(len(index))), "not the same files"
     predict_set = predict.ImageFiles(files, pre, index.max_image_pixels)

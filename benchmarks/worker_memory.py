@@ -1,5 +1,5 @@
 """Memory of a data-loader worker by how it starts: forked from the process that made the loader,
-forked from a fork server (as a training rank's workers are, imgclf.data.forkserver_context, with
+forked from a fork server (as a training rank's workers are, imgclf.data.loaders.forkserver_context, with
 Lightning's worker seeding preloaded as training has it), or spawned. Each way runs in its own
 process: the demo's train set at 64 px (PIL decode), 2 workers, 6 batches; then every child
 process's memory of its own (USS) and its proportional share (PSS), from psutil.
@@ -16,16 +16,17 @@ import sys
 import psutil
 import torch
 
-from imgclf import data, recipes
+from imgclf import recipes
+from imgclf.data import datasets, loaders
 from imgclf.train.module import WORKER_PRELOAD
 
 
 def measure(how: str, root: str) -> None:
     """Load 6 batches with 2 workers started `how`, then print each child's USS and PSS."""
-    dataset = data.train_dataset(root, "pil", 64, recipes.get("demo"))
+    dataset = datasets.train_dataset(root, "pil", 64, recipes.get("demo"))
     if how == "forkserver":
-        loader = data.loader(dataset, 16, 2, 2, shuffle=True, persistent_workers=True,
-                             forkserver_preload=WORKER_PRELOAD)
+        loader = loaders.loader(dataset, 16, 2, 2, shuffle=True, persistent_workers=True,
+                                forkserver_preload=WORKER_PRELOAD)
     else:
         loader = torch.utils.data.DataLoader(dataset, batch_size=16, num_workers=2,
                                              multiprocessing_context=how,

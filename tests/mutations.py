@@ -101,7 +101,7 @@ MUTATIONS = [
              'pass',
              ('tests/test_foundation.py::test_a_shared_build_that_failed_fails_its_other_users_at_once',),
              'a shared build that failed was built again by each worker waiting for it (test infrastructure, tests/conftest.py)'),
-    Mutation('forkserver-dies-of-the-requeue-signal', 'src/imgclf/data.py',
+    Mutation('forkserver-dies-of-the-requeue-signal', 'src/imgclf/data/loaders.py',
              '    with noted_signals_blocked():\n        multiprocessing.forkserver.ensure_running()',
              '    multiprocessing.forkserver.ensure_running()',
              ('tests/test_slurm.py::test_the_requeue_signal_leaves_a_ranks_fork_server_workers_loading',),
@@ -218,7 +218,7 @@ MUTATIONS = [
              ('tests/test_hardware.py::test_each_gpu_stage_claims_its_gpu_before_it_checks_the_build',),
              'checked before the claim, CUDA starts seeing every GPU and every LR run on a node shares GPU 0'),
     Mutation('estimate-without-the-input-batch', 'src/imgclf/memory/estimate.py',
-             '"batch": data.sample_batch_bytes(batch, resolution) + batch * 8,',
+             '"batch": loaders.sample_batch_bytes(batch, resolution) + batch * 8,',
              '"batch": 0,',
              ('tests/test_memory.py::test_estimate_matches_the_fake_tensor_count',),
              'the tightened bound (1.5 % under, 0.5 % over) shows a component left out, such as the input batch (2 % of ResNet-18 at batch 16); the old 5 % did not'),
@@ -282,7 +282,7 @@ MUTATIONS = [
              '        "root": report["root"],',
              ('tests/test_reproducibility.py::test_rerun_check_with_same_census_reruns_nothing_after_it', 'tests/test_reproducibility.py::test_every_json_artifact_carries_complete_provenance'),
              'docs/benchmarks.md: both tests failed in the copied complete run because the hand-off recorded the data root resolved, so a moved workflow folder handed off other bytes'),
-    Mutation('fork-server-workers-outlive-their-rank', 'src/imgclf/data.py',
+    Mutation('fork-server-workers-outlive-their-rank', 'src/imgclf/data/loaders.py',
              '        threading.Thread(target=self._exit_after_owner, daemon=True).start()\n',
              '',
              ('tests/test_train.py::test_fork_server_workers_end_when_their_rank_is_killed', 'tests/test_train.py::test_a_failure_on_rank_zero_ends_the_other_ranks'),
@@ -367,7 +367,7 @@ MUTATIONS = [
              '    if False:',
              ('tests/test_batch_curve.py::test_a_run_steps_on_whole_accumulation_groups_and_validates_on_its_steps',),
              'a plan-batch run that diverged still gave a target from its last finite validations'),
-    Mutation('rank-forks-its-loader-workers', 'src/imgclf/data.py',
+    Mutation('rank-forks-its-loader-workers', 'src/imgclf/data/loaders.py',
              'multiprocessing_context=forkserver_context(forkserver_preload) if forkserver else None,',
              'multiprocessing_context=None,',
              ('tests/test_train.py::test_training_loader_workers_start_from_a_fork_server',),
@@ -445,7 +445,7 @@ MUTATIONS = [
              ("tests/test_hardware.py::"
               "test_an_environment_built_elsewhere_gets_the_build_its_hardware_needs",),
              "a login node chose CUDA 13 for compute nodes whose driver it cannot see"),
-    Mutation("resume-replays-the-epoch", "src/imgclf/data.py",
+    Mutation("resume-replays-the-epoch", "src/imgclf/sampling.py",
              "self.sampler.skip(self._handed * self.batch_size)", "self.sampler.skip(0)",
              ("tests/test_resume.py::"
               "test_a_requeued_epoch_trains_on_what_an_uninterrupted_one_would",),
@@ -456,7 +456,7 @@ MUTATIONS = [
              ("tests/test_resume.py::test_the_requeue_saves_between_accumulation_groups",),
              "a save inside an accumulation group lost its partial gradients"),
     Mutation("compile-pool-dies-of-the-signal", "src/imgclf/train/module.py",
-             "    with data.noted_signals_blocked():\n"
+             "    with loaders.noted_signals_blocked():\n"
              "        from torch._inductor.async_compile import AsyncCompile\n\n"
              "        AsyncCompile.warm_pool()",
              "    from torch._inductor.async_compile import AsyncCompile\n\n"

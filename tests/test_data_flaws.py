@@ -20,7 +20,8 @@ from PIL import Image
 
 from conftest import (SMALL_MODEL, copy_workflow, one_sentence, resume_line, resume_point,
                       snakemake, training_until_checkpoint)
-from imgclf import data, hydration, index, recipes, settings
+from imgclf import artifacts, hydration, index, recipes, settings
+from imgclf.data import datasets
 from imgclf.hydration import integrity
 
 CHECK = "results/hydration/local.json"
@@ -257,9 +258,9 @@ def test_every_name_the_file_system_holds_is_indexed_listed_and_decoded(tmp_path
     written = json.loads((tmp_path / "out" / "c.json").read_text())
     assert written["bad_files"]["examples"] == [{"file": index.escape(empty),
                                                  "reason": "zero bytes"}]
-    for decoder in data.DECODERS:
-        ds = data.train_dataset(str(tmp_path / "out" / "c.train.tsv"), decoder, 8,
-                                recipes.get("demo"))
+    for decoder in artifacts.DECODERS:
+        ds = datasets.train_dataset(str(tmp_path / "out" / "c.train.tsv"), decoder, 8,
+                                    recipes.get("demo"))
         assert len(ds) == len(NASTY_NAMES) + 2
         assert all(ds[i][0].shape == (3, 8, 8) for i in range(len(ds)))
 
@@ -269,11 +270,11 @@ def test_a_file_broken_after_the_check_is_named_whole_and_left_out(tmp_path):
     worker's error arrives as text, under its traceback) and lists the file for the next run:
     a name with parentheses, a colon and a newline survives both."""
     path = str(tmp_path / "photo (1) (Note: x)\n.jpg")
-    err = data.BadImageError.of(path, OSError("image file is truncated (3 bytes not processed)"))
-    from_worker = data.BadImageError(f"Caught BadImageError in DataLoader worker process 0.\n"
-                                     f"Original Traceback (most recent call last):\n"
-                                     f"imgclf.data.BadImageError: {err}\n")
-    shown, reason = data.BadImageError.file_and_reason(from_worker)
+    err = datasets.BadImageError.of(path, OSError("image file is truncated (3 bytes not processed)"))
+    from_worker = datasets.BadImageError(f"Caught BadImageError in DataLoader worker process 0.\n"
+                                         f"Original Traceback (most recent call last):\n"
+                                         f"imgclf.data.datasets.BadImageError: {err}\n")
+    shown, reason = datasets.BadImageError.file_and_reason(from_worker)
     assert "\n" not in shown and index.unescape(shown) == path
     assert reason == "OSError: image file is truncated [3 bytes not processed]"
     bad_list = tmp_path / index.BAD_FILES
@@ -304,7 +305,7 @@ def test_pixel_limit_is_one_threshold_and_never_a_warning(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("decoder", data.DECODERS)
+@pytest.mark.parametrize("decoder", artifacts.DECODERS)
 def test_decoders_apply_the_checks_limit_in_a_spawned_worker(decoder, tmp_path):
     """The limit travels in the index: a DataLoader worker started afresh (spawn, as on macOS)
     decodes an image under it and refuses one over it, naming the key, in one line."""
@@ -317,12 +318,12 @@ def test_decoders_apply_the_checks_limit_in_a_spawned_worker(decoder, tmp_path):
     source = tmp_path / "index.tsv"
     index.write(source, tmp_path, "train", ["a"],
                 {"a": [(p.name, p.stat().st_size) for p in files]}, max_image_pixels=1000)
-    ds = data.train_dataset(str(source), decoder, 8, recipes.get("demo"))
+    ds = datasets.train_dataset(str(source), decoder, 8, recipes.get("demo"))
     batches = iter(DataLoader(ds, batch_size=1, num_workers=1, multiprocessing_context="spawn"))
     assert next(batches)[0].shape == (1, 3, 8, 8)
-    with pytest.raises(data.BadImageError) as err:
+    with pytest.raises(datasets.BadImageError) as err:
         next(batches)
-    shown, reason = data.BadImageError.file_and_reason(err.value)
+    shown, reason = datasets.BadImageError.file_and_reason(err.value)
     assert shown == str(files[1])
     assert reason.startswith("TooLarge: too large: 40 x 40") and "max_image_pixels" in reason
 

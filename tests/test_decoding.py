@@ -15,7 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from imgclf import data, decoding, index, recipes, settings
+from imgclf import artifacts, decoding, index, recipes, settings
+from imgclf.data import datasets
 from imgclf.hydration import integrity
 from test_data_flaws import run_check
 
@@ -112,7 +113,7 @@ def test_every_format_decodes_to_one_rgb_image_with_either_decoder(name, tmp_pat
     content, expected = FORMATS[name]
     path = tmp_path / name
     path.write_bytes(content)
-    ours = {d: decoded(path, d) for d in data.DECODERS}
+    ours = {d: decoded(path, d) for d in artifacts.DECODERS}
     for d, x in ours.items():
         assert x.dtype == torch.uint8 and x.shape == (3, 20, 24), (d, x.dtype, x.shape)
     if expected is None:
@@ -146,17 +147,17 @@ def test_every_file_the_check_accepts_decodes_with_each_loader_decoder(tmp_path)
     files = [idx.file(i) for i in range(len(idx))]
     assert len(files) == 2 * (len(FORMATS) - 1) and str(odd) not in files
     decoders = settings.validate({}, "loader")["decoders"]
-    assert sorted(decoders) == sorted(data.DECODERS)
+    assert sorted(decoders) == sorted(artifacts.DECODERS)
     for decoder in decoders:
-        ds = data.train_dataset(str(tmp_path / "out" / "c.train.tsv"), decoder, 8,
-                                recipes.get("demo"))
+        ds = datasets.train_dataset(str(tmp_path / "out" / "c.train.tsv"), decoder, 8,
+                                    recipes.get("demo"))
         assert all(ds[i][0].shape == (3, 8, 8) for i in range(len(ds)))
         for f in files:
             difference = decoded(Path(f), decoder).int() - decoded(Path(f), "pil").int()
             assert difference.abs().max() <= (1 if f.endswith(".jpg") else 0), (decoder, f)
 
 
-@pytest.mark.parametrize("decoder", data.DECODERS)
+@pytest.mark.parametrize("decoder", artifacts.DECODERS)
 def test_a_file_that_is_no_image_is_said_to_be_none(decoder, tmp_path):
     """Either decoder says that a text file is not an image (what a row of `imgclf predict` and
     a training's error show), not which Python object held its bytes."""

@@ -100,7 +100,8 @@ def params(demo_root, **evaluate_cfg) -> dict:
 
 
 def test_evaluation_json(demo_root, checkpoint, tmp_path):
-    from imgclf import cli, data, recipes
+    from imgclf import cli, recipes
+    from imgclf.data import datasets
 
     memory = write_memory(tmp_path)
     out, png = tmp_path / "eval" / "local.json", tmp_path / "eval" / "local_confusion.png"
@@ -128,7 +129,7 @@ def test_evaluation_json(demo_root, checkpoint, tmp_path):
     model.load_state_dict({k[6:]: v for k, v in ckpt["state_dict"].items()
                            if k.startswith("model.")})
     model.eval()
-    ds = data.val_dataset(str(demo_root), "pil", 16)
+    ds = datasets.val_dataset(str(demo_root), "pil", 16)
     with torch.inference_mode():
         correct = sum(int(model(x.unsqueeze(0)).argmax(1).item() == y) for x, y in ds)
     assert r["top1"] == pytest.approx(correct / n_val)

@@ -262,14 +262,15 @@ CPU_ENTRY = {"name": "local", "accelerator": "cpu", "gpu_model": "none"}
 def test_range_test_sees_the_recipes_mixed_batches(demo_root):
     """torchvision_v2 trains on MixUp/CutMix targets: the range test's batches are mixed too
     (soft targets reach the loss), on the device after the copy, and the run says so."""
-    from imgclf import data, recipes
+    from imgclf import recipes
+    from imgclf.data import datasets, loaders, mixup
 
     recipe = recipes.get("torchvision_v2")
-    ds = data.train_dataset(str(demo_root), "tensor", 16, recipe)
-    loader = data.loader(ds, 8, 0, None, shuffle=True, seed=0, drop_last=True)
+    ds = datasets.train_dataset(str(demo_root), "tensor", 16, recipe)
+    loader = loaders.loader(ds, 8, 0, None, shuffle=True, seed=0, drop_last=True)
     cpu = torch.device("cpu")
     waits = []  # the seconds each batch kept the step waiting for the loader
-    inputs, labels = next(lr_find._batches(loader, data.batch_mixer(recipe, len(ds.classes)), cpu,
+    inputs, labels = next(lr_find._batches(loader, mixup.batch_mixer(recipe, len(ds.classes)), cpu,
                                            waits))
     assert len(waits) == 1 and waits[0] > 0
     assert labels.shape == (8, len(ds.classes)) and labels.dtype.is_floating_point

@@ -406,12 +406,13 @@ def test_the_exported_files_are_what_model_json_promises(exported):
 def test_predict_preprocesses_as_evaluation(exported, monkeypatch, decoder):
     """The transform built from model.json's values gives evaluation's tensors exactly, on
     either decode path: same resize, crop, interpolation, antialiasing and normalisation."""
-    from imgclf import data, model_folder, predict, recipes
+    from imgclf import model_folder, predict, recipes
+    from imgclf.data import datasets
 
     monkeypatch.chdir(exported)
     model = config_of(exported)["model"]
-    evaluation = data.val_dataset("results/hydration/local.val.tsv", decoder,
-                                  int(model["resolution"]), recipes.get(model["recipe"]))
+    evaluation = datasets.val_dataset("results/hydration/local.val.tsv", decoder,
+                                      int(model["resolution"]), recipes.get(model["recipe"]))
     chosen = [0, len(evaluation) // 2, len(evaluation) - 1]
     pre = {**model_folder.read(MODEL)["preprocessing"], "decoder": decoder}
     ours = predict.ImageFiles([evaluation.index.file(i) for i in chosen], pre,

@@ -19,7 +19,8 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms import v2
 
-from imgclf import data, recipes
+from imgclf import recipes, sampling
+from imgclf.data import mixup, transforms
 
 TABLE_DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 RES = 224
@@ -83,10 +84,10 @@ def render(recipe: recipes.Recipe) -> dict[str, str]:
     # transforms: types and parameters in order, for both decode paths
     built = {}
     for decoder, x in inputs.items():
-        train = data.train_transform(decoder, RES, recipe).transforms
-        val = data.val_transform(decoder, RES, recipe).transforms
+        train = transforms.train_transform(decoder, RES, recipe).transforms
+        val = transforms.val_transform(decoder, RES, recipe).transforms
         to_tensor = [v2.PILToTensor] if decoder == "pil" else []
-        augment = data.auto_augment(recipe)
+        augment = transforms.auto_augment(recipe)
         expected_train = ([v2.RandomResizedCrop, v2.RandomHorizontalFlip]
                           + ([type(augment)] if augment is not None else [])
                           + to_tensor + [v2.ToDtype, v2.Normalize]
@@ -95,7 +96,7 @@ def render(recipe: recipes.Recipe) -> dict[str, str]:
         assert [type(t) for t in val] == [v2.Resize, v2.CenterCrop, *to_tensor, v2.ToDtype,
                                           v2.Normalize]
         norm = next(t for t in train if isinstance(t, v2.Normalize))
-        assert tuple(norm.mean) == data.MEAN and tuple(norm.std) == data.STD
+        assert tuple(norm.mean) == transforms.MEAN and tuple(norm.std) == transforms.STD
         # they run, and give the sizes they promise
         y, z = v2.Compose(train)(x), v2.Compose(val)(x)
         assert y.dtype == z.dtype == torch.float32
@@ -163,7 +164,7 @@ def render(recipe: recipes.Recipe) -> dict[str, str]:
         rows["loss"], rows["label smoothing"] = "CE", num(loss.label_smoothing)
 
     # batch mixing
-    mixer = data.batch_mixer(recipe, 10)
+    mixer = mixup.batch_mixer(recipe, 10)
     mixers = [] if mixer is None else getattr(mixer, "transforms", [mixer])
     if isinstance(mixer, v2.RandomChoice):
         assert mixer.p == [1 / len(mixers)] * len(mixers)  # torchvision's RandomChoice, as timm
@@ -178,7 +179,7 @@ def render(recipe: recipes.Recipe) -> dict[str, str]:
                                   if cb is not None else NONE)
     if recipe.repeated_aug > 1:
         rows["repeated augmentation"] = str(
-            data.RepeatedAugSampler(range(64), 2, 0, reps=recipe.repeated_aug).reps)
+            sampling.RepeatedAugSampler(range(64), 2, 0, reps=recipe.repeated_aug).reps)
     else:
         rows["repeated augmentation"] = NONE
     rows["published top-1"] = f"{num(recipe.top1)} %" if recipe.top1 is not None else NONE
@@ -207,7 +208,7 @@ def test_sizes_relative_to_resolution():
             assert (r.train_size(res), r.val_sizes(res)) == (res, (round(res / 0.875), res))
     assert tv.train_size(160) == round(160 * 176 / 224) and tv.val_sizes(160)[1] == 160
     # the plain validation (no recipe) is the classic 0.875 crop
-    resize, crop = data.val_transform("tensor", 32).transforms[:2]
+    resize, crop = transforms.val_transform("tensor", 32).transforms[:2]
     assert (resize.size[0], crop.size[0]) == (37, 32)
 
 
@@ -241,7 +242,7 @@ def test_drop_path_model_is_torchvision_resnet_with_drop_path():
 def draws(n: int, world: int, reps: int, epoch: int = 0, seed: int = 0) -> list[list[int]]:
     out = []
     for rank in range(world):
-        s = data.RepeatedAugSampler(list(range(n)), world, rank, seed=seed, reps=reps)
+        s = sampling.RepeatedAugSampler(list(range(n)), world, rank, seed=seed, reps=reps)
         s.set_epoch(epoch)
         out.append(list(s))
     return out
@@ -252,7 +253,7 @@ def test_repeated_aug_sampler(n, world, reps):
     per_rank = draws(n, world, reps)
     # an epoch stays len(dataset) / world draws per rank
     assert all(len(r) == math.ceil(n / world) for r in per_rank)
-    assert all(len(data.RepeatedAugSampler(range(n), world, k, reps=reps)) == math.ceil(n / world)
+    assert all(len(sampling.RepeatedAugSampler(range(n), world, k, reps=reps)) == math.ceil(n / world)
                for k in range(world))
     # the ranks deal disjoint slices (positions rank::world) of one sequence in which each
     # image appears `reps` times in a row
@@ -276,12 +277,12 @@ def test_repeated_aug_sampler_epochs_and_seed():
     a, b = draws(40, 2, 3, epoch=0), draws(40, 2, 3, epoch=1)
     assert a != b and a == draws(40, 2, 3, epoch=0)
     assert draws(40, 2, 3, epoch=0, seed=1) != a
-    s = data.RepeatedAugSampler(range(40), 2, 0, shuffle=False, reps=2)
+    s = sampling.RepeatedAugSampler(range(40), 2, 0, shuffle=False, reps=2)
     assert list(s) == list(range(20))  # [0, 0, 1, 1, ...] dealt to 2 ranks
     # a DistributedSampler: Lightning keeps it instead of wrapping it in its own
     assert isinstance(s, torch.utils.data.DistributedSampler)
     with pytest.raises(ValueError):
-        data.RepeatedAugSampler(range(40), 2, 2)
+        sampling.RepeatedAugSampler(range(40), 2, 2)
 
 
 # --- EMA of the weights ---------------------------------------------------------------------

@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from imgclf import data, forecast
+from imgclf import forecast, sampling
+from imgclf.data import datasets, loaders
 from imgclf.slurm import requeue
 from imgclf.train import resume
 from imgclf.train.callbacks import RequeueAtTimeLimit
@@ -233,7 +234,7 @@ def test_the_training_sampler_deals_what_lightnings_would_and_skips_on_one_pass(
     Lightning added before would (its arguments: seed_everything's seed, shuffled), and a skip
     applies to the next pass only."""
     for rank in (0, 1):
-        ours = data.ResumableSampler(range(50), num_replicas=2, rank=rank, shuffle=True, seed=7)
+        ours = sampling.ResumableSampler(range(50), num_replicas=2, rank=rank, shuffle=True, seed=7)
         theirs = DistributedSampler(range(50), num_replicas=2, rank=rank, shuffle=True, seed=7)
         for epoch in (0, 3):
             ours.set_epoch(epoch)
@@ -244,7 +245,7 @@ def test_the_training_sampler_deals_what_lightnings_would_and_skips_on_one_pass(
 
 
 class IndexedNames(torch.utils.data.Dataset):
-    """A split's files by name, indexed as data.IndexedImages indexes them (its file index,
+    """A split's files by name, indexed as datasets.IndexedImages indexes them (its file index,
     less the files left out), without decoding any."""
 
     def __init__(self, idx):
@@ -260,7 +261,7 @@ class IndexedNames(torch.utils.data.Dataset):
 @pytest.mark.parametrize("repeated", [False, True], ids=["shuffled", "repeated augmentation"])
 def test_a_resume_after_a_broken_file_was_left_out_keeps_the_epochs_order(repeated):
     """Two ranks in epoch 1 of 32 files, stopped after 3 batches of 2 each; a file of the rest
-    of the epoch turned out broken, and the run resumes with it left out (data.train_dataset's
+    of the epoch turned out broken, and the run resumes with it left out (datasets.train_dataset's
     `exclude`, from bad_files.txt): the resumed epoch trains on the rest of the order it began
     with, less that file (filled up from the epoch's first files, as DistributedSampler pads),
     each rank as many batches as before; not on a permutation of the 31 files drawn afresh,
@@ -271,16 +272,16 @@ def test_a_resume_after_a_broken_file_was_left_out_keeps_the_epochs_order(repeat
     split = index.Index.from_lines("train.tsv", "/data", "train", ["c"], [32],
                                    [index.file_line("c", n[2:], 1) for n in names], None)
 
-    def loaders(idx, states=(None, None)):
+    def rank_loaders(idx, states=(None, None)):
         made = []
         for rank, state in enumerate(states):
             files = IndexedNames(idx)
-            sampler = (data.RepeatedAugSampler(files, 2, rank, seed=5, reps=2) if repeated else
-                       data.ResumableSampler(files, num_replicas=2, rank=rank, shuffle=True,
-                                             seed=5))
+            sampler = (sampling.RepeatedAugSampler(files, 2, rank, seed=5, reps=2) if repeated else
+                       sampling.ResumableSampler(files, num_replicas=2, rank=rank, shuffle=True,
+                                                 seed=5))
             sampler.set_epoch(1)
-            loader = data.loader(files, 2, 0, None, shuffle=True, sampler=sampler,
-                                 resumable=True, drop_last=True)
+            loader = loaders.loader(files, 2, 0, None, shuffle=True, sampler=sampler,
+                                    resumable=True, drop_last=True)
             if state:
                 loader.load_state_dict(state)
             made.append(loader)
@@ -289,13 +290,13 @@ def test_a_resume_after_a_broken_file_was_left_out_keeps_the_epochs_order(repeat
     def dealt(per_rank):  # the ranks' files as one order, as the sampler deals it
         return [f for both in zip(*per_rank) for f in both]
 
-    first = loaders(split)
+    first = rank_loaders(split)
     epochs = [iter(loader) for loader in first]
     trained = [[f for _ in range(3) for f in next(epoch)] for epoch in epochs]
     states = [loader.state_dict() for loader in first]
     rest = [[f for batch in epoch for f in batch] for epoch in epochs]  # had it gone on
     broken = rest[1][2]
-    resumed = loaders(index.without(split, {f"/data/train/{broken}"}), states)
+    resumed = rank_loaders(index.without(split, {f"/data/train/{broken}"}), states)
     after = [[f for batch in loader for f in batch] for loader in resumed]
 
     epoch = dealt(trained) + [f for f in dealt(rest) if f != broken]

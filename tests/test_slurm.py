@@ -87,11 +87,11 @@ SIGNALLED_LOADER = """
 import signal, time
 import psutil, torch
 from torch.utils.data import TensorDataset
-from imgclf import data
+from imgclf.data import loaders
 from imgclf.slurm import requeue
 requeue.catch_requeue_signal()
-batches = iter(data.loader(TensorDataset(torch.arange(64.0)), 4, 2, 2, shuffle=False,
-                           forkserver_preload=()))
+batches = iter(loaders.loader(TensorDataset(torch.arange(64.0)), 4, 2, 2, shuffle=False,
+                              forkserver_preload=()))
 next(batches), next(batches)
 me = psutil.Process()
 for process in [me, *me.children(recursive=True)]:

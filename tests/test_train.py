@@ -383,10 +383,11 @@ def test_training_loader_workers_start_from_a_fork_server(demo_root):
 
 OWNER = """
 import sys, time
-from imgclf import data, recipes
-train_set = data.train_dataset(sys.argv[1], "tensor", 16, recipes.get("demo"))
-loader = data.loader(train_set, 4, 2, 2, shuffle=True, persistent_workers=True,
-                     forkserver_preload=())
+from imgclf import recipes
+from imgclf.data import datasets, loaders
+train_set = datasets.train_dataset(sys.argv[1], "tensor", 16, recipes.get("demo"))
+loader = loaders.loader(train_set, 4, 2, 2, shuffle=True, persistent_workers=True,
+                        forkserver_preload=())
 next(iter(loader))
 print("a batch arrived", flush=True)
 time.sleep(600)
@@ -461,14 +462,14 @@ def test_a_failure_on_rank_zero_ends_the_other_ranks(demo_root, tmp_path):
     """Rank 0 stops on a broken image (a user's error) while rank 1 trains on: rank 0 ends rank
     1 and says so, instead of leaving it to wait in its next collective (under NCCL until the
     30-minute timeout, holding its GPU)."""
-    from imgclf import data
+    from imgclf.data import datasets, loaders
 
     root = tmp_path / "data"
     shutil.copytree(demo_root, root)
     cfg = {"epochs": 1, "limit_val_batches": 1}
     params, memory, lr_summary = write_inputs(tmp_path, root, cfg, batch=8)
     # rank 0's first batch, as Lightning's DistributedSampler deals it (seed_everything(0))
-    idx = data.split_index(str(root), "train")
+    idx = datasets.split_index(str(root), "train")
     first = list(DistributedSampler(range(len(idx)), num_replicas=2, rank=0, shuffle=True,
                                     seed=0))[:8]
     for i in first:

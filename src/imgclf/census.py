@@ -1,7 +1,7 @@
 """The census of a data root: every file of train/ and val/ with one `stat` each, sorted into
 images per class, hidden and metadata entries, files that are not images, zero-byte and
 unreadable files, and folder problems. The hydration check counts it, and a stage given a data
-root instead of the check's file index walks it (data.split_index).
+root instead of the check's file index walks it (data.datasets.split_index).
 
 Nothing here reads file contents: on Lustre, reading a released file is what triggers its slow
 restore from S3, so the census (and the HSM query after it) must come first."""

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from imgclf import data, devices, provenance, recipes, settings
+from imgclf import devices, provenance, recipes, settings
+from imgclf.data import datasets, loaders
 from imgclf.errors import UserError
 from imgclf.index import BAD_FILES, read_bad_files
 from imgclf.artifacts import Plan
@@ -150,9 +151,9 @@ def run(params: dict, memory_path, checkpoint, out) -> dict:
     plan = Plan.read(memory_path, cluster["name"])
     ckpt = load_checkpoint(checkpoint)
     classes = list(ckpt["hyper_parameters"]["classes"])
-    dataset = data.val_dataset(params["index"], plan.decoder, int(model_cfg["resolution"]),
-                               recipes.get(model_cfg["recipe"]),
-                               exclude=read_bad_files(Path(checkpoint).parent / BAD_FILES))
+    dataset = datasets.val_dataset(params["index"], plan.decoder, int(model_cfg["resolution"]),
+                                   recipes.get(model_cfg["recipe"]),
+                                   exclude=read_bad_files(Path(checkpoint).parent / BAD_FILES))
     if dataset.classes != classes:
         raise UserError(f"{params['index']} has classes {dataset.classes[:5]}... but the "
                         f"checkpoint was trained on {classes[:5]}...: evaluate on the same data.")
@@ -160,13 +161,13 @@ def run(params: dict, memory_path, checkpoint, out) -> dict:
     devices.check_share(plan, f"The evaluation of cluster {cluster['name']!r}")
     model = load_model(ckpt, model_cfg, checkpoint, device)
     batch = int(ev["batch_size"] or plan.per_device_batch)
-    loader = data.loader(dataset, batch, plan.num_workers, plan.prefetch_factor,
-                         shuffle=False, pin_memory=device.type == "cuda")
+    loader = loaders.loader(dataset, batch, plan.num_workers, plan.prefetch_factor,
+                            shuffle=False, pin_memory=device.type == "cuda")
     acc = Accumulator(len(classes), device)
     try:
         loop_s = predict(model, loader, device, precision, bool(model_cfg["channels_last"]), acc)
-    except data.BadImageError as e:
-        raise UserError(f"Evaluation stopped: {data.BadImageError.own_line(e)} "
+    except datasets.BadImageError as e:
+        raise UserError(f"Evaluation stopped: {datasets.BadImageError.own_line(e)} "
                         f"although the hydration check passed it; replace the file or rerun the "
                         f"check (`snakemake --forcerun check_hydration`), which excludes it.") \
             from None

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from imgclf import artifacts, data, evaluate, model_folder, provenance, recipes
+from imgclf import artifacts, evaluate, model_folder, provenance, recipes
+from imgclf.data import datasets, loaders, transforms
 from imgclf.artifacts import Plan
 from imgclf.model_folder import FILES, FORMAT
 from imgclf.progress import progress
@@ -55,7 +56,7 @@ def preprocessing(recipe: recipes.Recipe, resolution: int, decoder: str,
     resize, crop = recipe.val_sizes(resolution)
     return {"channels": "RGB", "resize_shorter_side": resize, "center_crop": crop,
             "interpolation": recipe.interpolation, "antialias": True, "scale": 1 / 255,
-            "mean": list(data.MEAN), "std": list(data.STD), "layout": "NCHW",
+            "mean": list(transforms.MEAN), "std": list(transforms.STD), "layout": "NCHW",
             "dtype": "float32", "decoder": decoder, "max_image_pixels": max_image_pixels,
             "decoders": {"pil": "PIL (an animation's first frame, 16 bits to 8 by >> 8, grey to "
                                 "RGB, alpha dropped), then torchvision.transforms.v2",
@@ -105,7 +106,7 @@ def check_onnx(model: torch.nn.Module, onnx_path: Path, dataset, limit: int | No
     chosen = range(n) if not limit or limit >= n else \
         [round(i * (n - 1) / max(1, limit - 1)) for i in range(limit)]
     subset = torch.utils.data.Subset(dataset, list(chosen))
-    loader = data.loader(subset, CHECK_BATCH, workers, 2 if workers else None, shuffle=False)
+    loader = loaders.loader(subset, CHECK_BATCH, workers, 2 if workers else None, shuffle=False)
     agree = seen = 0
     worst, differ = 0.0, []
     with torch.inference_mode():
@@ -189,7 +190,7 @@ def run(model: dict, export: dict, cluster: str, checkpoint, evaluation_path, su
     try:
         save_weights(model, tmp / FILES["weights"])
         graphs = export_graphs(model, int(model_cfg["resolution"]), tmp)
-        dataset = data.val_dataset(val_index, plan.decoder, int(model_cfg["resolution"]), recipe)
+        dataset = datasets.val_dataset(val_index, plan.decoder, int(model_cfg["resolution"]), recipe)
         check = check_onnx(model, tmp / FILES["onnx"], dataset, export_cfg["check_images"],
                            plan.num_workers)
         log.info("ONNX check on %d validation images: top-1 agrees on %.4f of them, largest "

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from imgclf import data, devices, recipes, weights
+from imgclf import devices, recipes, weights
+from imgclf.data import datasets, loaders, mixup
 from imgclf.artifacts import Plan
 
 
@@ -53,16 +54,16 @@ def one_device_run(source: str, model: dict, hw: dict, plan: Plan, batch: int | 
     torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
     torch.manual_seed(seed)
     recipe = recipes.get(model["recipe"])
-    train_set = data.train_dataset(source, plan.decoder, model["resolution"], recipe)
+    train_set = datasets.train_dataset(source, plan.decoder, model["resolution"], recipe)
     net = recipes.build_model(model["arch"], len(train_set.classes), recipe.drop_path)
     if model.get("init_from"):  # the weights a user has: the LR found is the fine-tuning's
         weights.load_into(net, model["init_from"], model["arch"], classes=train_set.classes)
     if model["channels_last"]:
         net = net.to(memory_format=torch.channels_last)
-    loader = data.loader(train_set, batch, plan.num_workers, plan.prefetch_factor, shuffle=True,
-                         seed=seed, pin_memory=device.type == "cuda", drop_last=True)
+    loader = loaders.loader(train_set, batch, plan.num_workers, plan.prefetch_factor, shuffle=True,
+                            seed=seed, pin_memory=device.type == "cuda", drop_last=True)
     classes = len(train_set.classes)
     return OneDeviceRun(recipe=recipe, batch=batch, device=device, precision=precision,
                         scaler=devices.grad_scaler(precision, device.type), net=net.to(device),
-                        mixer=data.batch_mixer(recipe, classes),
+                        mixer=mixup.batch_mixer(recipe, classes),
                         criterion=recipes.build_loss(recipe), loader=loader, classes=classes)

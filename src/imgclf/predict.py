@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from imgclf import (data, decoding, devices, hardware, model_folder, provenance, recipes,
-                    settings)
+from imgclf import decoding, devices, hardware, model_folder, provenance, recipes, settings
+from imgclf.data import loaders, transforms
 from imgclf.artifacts import DECODERS
 from imgclf.errors import UserError
 from imgclf.predict_files import find_files
@@ -38,7 +38,7 @@ MAX_WORKERS = 16
 
 
 def transform(pre: dict):
-    """Evaluation's preprocessing (data.val_transform) from model.json's `preprocessing`: resize
+    """Evaluation's preprocessing (transforms.val_transform) from model.json's `preprocessing`: resize
     the shorter side, center-crop, (PIL images to uint8 tensors,) scale to [0, 1], normalise."""
     from torchvision.transforms import v2
 
@@ -180,8 +180,8 @@ def run(model_dir, paths, out_csv, top_k: int | None = None, batch_size: int | N
         model = model.to(memory_format=torch.channels_last)
     workers = default_workers(len(files), batch_size) if workers is None else int(workers)
     devices.log_limits("Prediction", f"; it decodes with {workers} worker(s)")
-    loader = data.loader(dataset, batch_size, workers, 2 if workers else None, shuffle=False,
-                         pin_memory=device.type == "cuda")
+    loader = loaders.loader(dataset, batch_size, workers, 2 if workers else None, shuffle=False,
+                            pin_memory=device.type == "cuda")
     log.info("predicting %d file(s) with %s (%s, %d classes) on %s, batch %d, %d worker(s), "
              "top %d", len(files), model_dir, described["arch"], len(classes), device,
              batch_size, workers, k)

@@ -1,7 +1,7 @@
 """The training's samplers, and its loader that takes up an epoch part way, on every rank (a
 training resumed mid-epoch: after Slurm's requeue, a stop, or a file found broken).
 
-A resume after a broken file was left out (data.train_dataset's `exclude`, from the run's
+A resume after a broken file was left out (datasets.train_dataset's `exclude`, from the run's
 bad_files.txt) keeps the epoch's order: the data set has one file fewer, so a sampler drawn
 afresh would deal another permutation, and the rest of the epoch would train some files twice
 and others never. The loader's state records where, in the split's file index, the files left

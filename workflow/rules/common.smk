@@ -32,18 +32,23 @@ def data_input(wildcards):
     return [root] if settings.is_demo_root(config, root) else []
 
 
-# What every stage that reads the data set's images runs: a rule lists these and the modules of
-# its own (tests/test_structure.py derives each rule's list from its stage's imports)
-READS_IMAGES = (
+# What every stage that builds the input pipeline's transforms or loaders runs: a rule lists
+# these and the modules of its own (tests/test_structure.py derives each rule's list from its
+# stage's imports)
+DATA_PIPELINE = (
     "data",
     "sampling",
+    "recipes",
+    "artifacts",
+    "hardware",
+)
+# What every stage that reads the data set's images through its file index runs
+READS_IMAGES = (
+    *DATA_PIPELINE,
     "decoding",
     "images",
     "index",
     "census",
-    "recipes",
-    "artifacts",
-    "hardware",
 )
 # What every stage that starts the model from `model.init_from` runs to load the weights
 STARTS_FROM_WEIGHTS = ("weights", "model_folder")

@@ -37,7 +37,8 @@ rule predict:
     """
     input:
         model="results/export/{cluster}",
-        code=code("predict", "predict_files", *READS_IMAGES, "devices", "model_folder"),
+        code=code("predict", "predict_files", *DATA_PIPELINE, "decoding", "images", "devices",
+                  "model_folder"),
     output:
         "results/predict/{cluster}/{name}.csv",
     log:

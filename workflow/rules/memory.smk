@@ -5,7 +5,7 @@ rule solve_memory:
     batch, loader workers/prefetch within the host RAM budget."""
     input:
         loader="results/loader/{cluster}.json",
-        code=code("memory", *READS_IMAGES, "devices", *STARTS_FROM_WEIGHTS),
+        code=code("memory", *DATA_PIPELINE, "devices", *STARTS_FROM_WEIGHTS),
     output:
         json=report(
             "results/memory/{cluster}.json",

@@ -23,7 +23,8 @@ import psutil
 import torch
 from imgclf.progress import progress
 
-from imgclf import data, devices, hardware, provenance, recipes
+from imgclf import devices, hardware, provenance, recipes
+from imgclf.data import datasets, loaders
 from imgclf.errors import UserError
 from imgclf.loader_bench.choice import (baseline_block, choice_block, choose, cost,
                                         decoder_bests, describe_config)
@@ -103,12 +104,12 @@ def prepare(source: str, loader: dict, model: dict, hw: dict) -> Setup:
     batch = planned_batch(loader, hw, recipe)
     s = Setup(loader=loader, hw=hw, recipe=recipe, resolution=model["resolution"], here=here,
               cpus_device=cpus_device, batch=batch,
-              batch_bytes=data.sample_batch_bytes(batch, recipe.train_size(model["resolution"])),
+              batch_bytes=loaders.sample_batch_bytes(batch, recipe.train_size(model["resolution"])),
               budget=hw["ram_gb"] * GB * loader["ram_margin"] / hw["devices_per_node"],
               kind=rss_kind(), pin=pins_memory(hw),
               plan=plan(loader, workers))
     for decoder in dict.fromkeys([*loader["decoders"], *(c[0] for c in s.plan)]):
-        s.datasets[decoder] = data.train_dataset(source, decoder, s.resolution, recipe)
+        s.datasets[decoder] = datasets.train_dataset(source, decoder, s.resolution, recipe)
         if len(s.datasets[decoder]) == 0:
             raise UserError(f"{source} holds no training images (`dataset.root`).")
     s.base = tree_bytes(psutil.Process(), s.kind)

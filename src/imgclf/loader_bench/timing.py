@@ -15,7 +15,9 @@ import time
 import psutil
 import torch
 
-from imgclf import data, recipes
+from imgclf import hardware
+from imgclf import recipes
+from imgclf.data import loaders
 
 GB = 1e9
 
@@ -141,8 +143,8 @@ def time_config(dataset, batch_size: int, workers: int, prefetch: int, *, second
     restarts)."""
     sampler = torch.utils.data.RandomSampler(
         dataset, num_samples=batch_size * 10**7, generator=torch.Generator().manual_seed(seed))
-    dl = data.loader(dataset, batch_size, workers, prefetch or None, shuffle=False, seed=seed,
-                     pin_memory=pin_memory, sampler=sampler)
+    dl = loaders.loader(dataset, batch_size, workers, prefetch or None, shuffle=False, seed=seed,
+                        pin_memory=pin_memory, sampler=sampler)
     round_ = max(1, workers)
     warmup = math.ceil(max(warmup_batches, round_) / round_) * round_
     before = tree_bytes(psutil.Process(), kind)

@@ -178,7 +178,7 @@ def breakdown(batch: int, prof: dict, *, resolution: int, state_floats: int, wor
     its gradients) or in the optimizer step (full gradients, and `step_copies` temporaries of
     the gradients: torch's foreach SGD adds the weight decay into a new list; the activations
     are gone). The components of the smaller phase are 0."""
-    from imgclf import data
+    from imgclf.data import loaders
 
     act = prof["activations"]
     static = {
@@ -189,7 +189,7 @@ def breakdown(batch: int, prof: dict, *, resolution: int, state_floats: int, wor
         "ema_weights": prof["param_bytes"] + prof["buffer_bytes"] if ema else 0,
         # DDP keeps its gradient buckets beside the .grad tensors (gradient_as_bucket_view off)
         "ddp_buckets": prof["param_bytes"] if world > 1 else 0,
-        "batch": data.sample_batch_bytes(batch, resolution) + batch * 8,  # images + int64 labels
+        "batch": loaders.sample_batch_bytes(batch, resolution) + batch * 8,  # images + int64 labels
     }
     backward = {
         "gradients": prof["param_bytes"] if accumulates else 0,

@@ -23,9 +23,9 @@ def host_bytes(batch: int, workers: int, prefetch: int, *, resolution: int, host
                extra: int) -> int:
     """One process: baseline + workers + their buffer + the batch in the main process + extra
     (the CUDA runtime allowance on a GPU node, the whole training memory on a CPU rank)."""
-    from imgclf import data
+    from imgclf.data import loaders
 
-    batch_b = data.sample_batch_bytes(batch, resolution)
+    batch_b = loaders.sample_batch_bytes(batch, resolution)
     return int(host["baseline_bytes"] + workers * host["per_worker_bytes"]
                + (workers * prefetch + 1) * batch_b + extra)
 

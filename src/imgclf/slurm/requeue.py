@@ -20,7 +20,7 @@ def catch_requeue_signal() -> None:
     signal during start-up is caught too; Lightning then installs no handler of its own. Slurm
     sends it to every process of the step: a loader worker forked from the rank only notes it
     in its own memory, and the fork server, its workers and the resource tracker, which start
-    by exec and would die of it, start with it blocked (data.start_forkserver). At exit it is
+    by exec and would die of it, start with it blocked (data.loaders.start_forkserver). At exit it is
     ignored: Python restores the default action of the signals it handles as it shuts down, so
     a signal just after a training completed would otherwise end the rank and fail the job."""
     def note(signum, frame):

@@ -25,7 +25,7 @@ import lightning.pytorch as L
 from lightning.pytorch.utilities import rank_zero_only
 
 from imgclf import artifacts, devices
-from imgclf.data import BadImageError
+from imgclf.data.datasets import BadImageError
 from imgclf.errors import UserError
 from imgclf.index import BAD_FILES, read_bad_files
 from imgclf.slurm import task as slurm_task

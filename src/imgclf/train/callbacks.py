@@ -236,7 +236,7 @@ class RequeueAtTimeLimit(Callback):
     `every` batches, rounded up to whole accumulation groups, the ranks agree whether any got
     it (one all-reduce of one number, and the host synchronisation of reading it); then all save
     last.ckpt, rank 0 requeues the job, and they wait for Slurm to end this run. The next run
-    resumes from that checkpoint, mid-epoch, at the batch after it (data.ResumableLoader). A
+    resumes from that checkpoint, mid-epoch, at the batch after it (sampling.ResumableLoader). A
     save inside a group would lose the gradients accumulated so far, which no checkpoint holds.
     A job that cannot be requeued trains on, and is not asked again."""
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from imgclf.data import BadImageError
+from imgclf.data.datasets import BadImageError
 from imgclf.index import add_bad_file
 
 log = logging.getLogger("imgclf.train")

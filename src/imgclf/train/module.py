@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from imgclf import data, recipes, weights
+from imgclf import recipes, sampling, weights
+from imgclf.data import datasets, loaders, mixup
 from imgclf.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ TRITON_DEVICES = ("cuda", "xpu")
 
 def start_compile_workers() -> None:
     """Start Inductor's compile worker pool now, with the signals this process only notes
-    blocked (data.noted_signals_blocked), before a compile for a GPU starts it: its sidecar
+    blocked (loaders.noted_signals_blocked), before a compile for a GPU starts it: its sidecar
     starts by exec, which gives a handled signal its default action, and its workers are the
     sidecar's forks. Slurm's requeue signal, sent to every process of the job step, would end
     the sidecar, and the next compile (validation's, a new shape's) would fail ("Attempting to
@@ -119,9 +120,9 @@ def start_compile_workers() -> None:
     neither handles nor unblocks the signal there. On the CPU Inductor compiles in threads.
     The import is inside the block: torch before 2.5 starts the pool when the module is first
     imported."""
-    if not data.noted_signals():
+    if not loaders.noted_signals():
         return
-    with data.noted_signals_blocked():
+    with loaders.noted_signals_blocked():
         from torch._inductor.async_compile import AsyncCompile
 
         AsyncCompile.warm_pool()
@@ -150,7 +151,7 @@ class ImageClassifier(L.LightningModule):
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.criterion = recipes.build_loss(self.recipe)
-        self.mixer = data.batch_mixer(self.recipe, n)
+        self.mixer = mixup.batch_mixer(self.recipe, n)
         k5 = min(5, n)
         # validate_args off: its check of the targets (torch.unique, then a length) is a host
         # synchronisation on every step; the labels come from the data set's own classes
@@ -228,14 +229,14 @@ class ImageClassifier(L.LightningModule):
                                 "classes": list(self.hparams.classes)}
 
 
-# What a rank's fork server imports besides imgclf.data and the decoders: Lightning's worker
+# What a rank's fork server imports besides imgclf.data's and the decoders: Lightning's worker
 # seeding, which each worker would otherwise import itself.
 WORKER_PRELOAD = (pl_worker_init_function.__module__,)
 
 
 class ImageData(L.LightningDataModule):
     """The train/val data sets, built from the hydration check's file indexes, as loaders.
-    The training loader resumes mid-epoch where its checkpoint left it (data.ResumableLoader),
+    The training loader resumes mid-epoch where its checkpoint left it (sampling.ResumableLoader),
     through its sampler, given here: the DistributedSampler Lightning would add, or a recipe's
     with repeated augmentation. Lightning adds the validation loader's."""
 
@@ -249,7 +250,7 @@ class ImageData(L.LightningDataModule):
 
     def _loader(self, dataset, train: bool):
         world = self.trainer.world_size if self.trainer else 1
-        return data.loader(
+        return loaders.loader(
             dataset, self.batch_size, self.num_workers, self.prefetch_factor, shuffle=train,
             seed=self.seed, pin_memory=self.pin_memory, persistent_workers=True,
             sampler=self._train_sampler(dataset, world) if train else None, resumable=train,
@@ -258,15 +259,15 @@ class ImageData(L.LightningDataModule):
             # a ragged last batch of 1 would break BatchNorm; keep it when it is all there is
             drop_last=train and len(dataset) // world >= self.batch_size)
 
-    def _train_sampler(self, dataset, world: int) -> data.ResumableSampler:
+    def _train_sampler(self, dataset, world: int) -> sampling.ResumableSampler:
         """The recipe's repeated augmentation, or the sampler Lightning would add: shuffled,
         seeded with the run's seed (Lightning's is seed_everything's), none dropped."""
         rank = self.trainer.global_rank if self.trainer else 0
         if self.recipe.repeated_aug > 1:
-            return data.RepeatedAugSampler(dataset, world, rank, seed=self.seed,
-                                           reps=self.recipe.repeated_aug)
-        return data.ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
-                                     seed=self.seed)
+            return sampling.RepeatedAugSampler(dataset, world, rank, seed=self.seed,
+                                               reps=self.recipe.repeated_aug)
+        return sampling.ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                         seed=self.seed)
 
     def _seed_worker(self):
         """Lightning's per-worker seeding when seed_everything(workers=True) asked for it, which
@@ -289,8 +290,8 @@ def datasets(index: dict, decoder: str, resolution: int, recipe: str,
     """(train, val) data sets from the file indexes (or data roots) in `index`, less the files
     in `exclude`; both splits must hold the same classes."""
     rec = recipes.get(recipe)
-    train = data.train_dataset(index["train"], decoder, resolution, rec, exclude)
-    val = data.val_dataset(index["val"], decoder, resolution, rec, exclude)
+    train = datasets.train_dataset(index["train"], decoder, resolution, rec, exclude)
+    val = datasets.val_dataset(index["val"], decoder, resolution, rec, exclude)
     if train.classes != val.classes:
         raise UserError(f"{index['train']} has {len(train.classes)} classes and {index['val']} "
                         f"{len(val.classes)}, or their names differ: rerun the hydration check, "

@@ -79,7 +79,7 @@ def find_resume(ckpt_dir: Path, digest: str) -> dict:
 def saved_mid_epoch_without_position(ckpt: dict) -> bool:
     """Whether a checkpoint was saved in an unfinished epoch (as Lightning tells one: fit_loop.py,
     FitLoop.restarting) without the training loader's position (FitLoop.on_save_checkpoint,
-    stored by loop.py as the loop's "state_dict"), which versions before data.ResumableLoader
+    stored by loop.py as the loop's "state_dict"), which versions before sampling.ResumableLoader
     did not save: such a resume draws the epoch's remaining batches from its first, as those
     versions did, the first ones again and the last never."""
     loop = ckpt.get("loops", {}).get("fit_loop", {})
