@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from imgclf import hardware, loader_bench, recipes, settings
+from imgclf import hardware, recipes, settings
+from imgclf.loader_bench import bench as loader_bench
 from imgclf.data import datasets
 
 HERE = Path(__file__).resolve().parent

@@ -20,7 +20,8 @@ from PIL import Image
 
 from conftest import (SMALL_MODEL, copy_workflow, one_sentence, resume_line, resume_point,
                       snakemake, training_until_checkpoint)
-from imgclf import artifacts, hydration, index, recipes, settings
+from imgclf import artifacts, index, recipes, settings
+from imgclf.hydration import check as hydration
 from imgclf.data import datasets
 from imgclf.hydration import integrity
 

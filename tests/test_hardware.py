@@ -899,7 +899,7 @@ def test_the_loader_benchmark_pins_on_a_gpu_of_its_entry_it_claimed(nvidia_smi, 
     ranks claims nothing and pins nothing."""
     import torch
 
-    from imgclf import loader_bench
+    from imgclf.loader_bench import bench as loader_bench
 
     class ReachedCuda(Exception):
         pass

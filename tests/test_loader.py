@@ -8,7 +8,8 @@ import json
 import pytest
 
 from conftest import one_sentence
-from imgclf import hardware, loader_bench, settings
+from imgclf import hardware, settings
+from imgclf.loader_bench import bench as loader_bench
 from imgclf.errors import UserError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

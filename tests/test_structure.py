@@ -35,7 +35,7 @@ NEUTRAL = {
     "figures": "the figures package's docstring: each of its modules is a unit of its own",
 }
 # a shell rule's command: the `imgclf` sub-command, and the module it runs
-SUBCOMMANDS = {"train": "train", "evaluate": "evaluate"}
+SUBCOMMANDS = {"train": "train.runner", "evaluate": "evaluate"}
 
 
 def modules() -> dict[str, Path]:

@@ -36,7 +36,7 @@ def cmd_demo_data(args):
 
 
 def cmd_check_hydration(args):
-    from imgclf import hydration
+    from imgclf.hydration import check
 
     config = _config(args)
     name = config["cluster"]
@@ -45,9 +45,9 @@ def cmd_check_hydration(args):
         p["params"]["restore"] = True
     out = args.out or f"results/hydration/{name}.json"
     stem = out[:-len(".json")] if out.endswith(".json") else out
-    report = hydration.run(**p, out=out, out_verdict=f"{stem}.verdict.json",
-                                 out_excluded=f"{stem}.excluded.txt",
-                                 out_index={s: f"{stem}.{s}.tsv" for s in ("train", "val")})
+    report = check.run(**p, out=out, out_verdict=f"{stem}.verdict.json",
+                       out_excluded=f"{stem}.excluded.txt",
+                       out_index={s: f"{stem}.{s}.tsv" for s in ("train", "val")})
     from imgclf.figures import hydration as figure
 
     figure.draw(out, f"{stem}.png")
@@ -55,13 +55,13 @@ def cmd_check_hydration(args):
 
 
 def cmd_benchmark_loader(args):
-    from imgclf import loader_bench
+    from imgclf.loader_bench import bench
 
     config = _config(args)
     name = config["cluster"]
     out = args.out or f"results/loader/{name}"
-    report = loader_bench.run(**slices.loader_params(config, name), out_json=f"{out}.json",
-                                    out_csv=f"{out}.csv")
+    report = bench.run(**slices.loader_params(config, name), out_json=f"{out}.json",
+                       out_csv=f"{out}.csv")
     from imgclf.figures import loader as figure
 
     figure.draw(f"{out}.json", f"{out}.png")
@@ -123,13 +123,13 @@ def _stage_params(args, make) -> tuple[dict, str]:
 
 def cmd_train(args):
     requeue.catch_requeue_signal()  # before the imports that take seconds
-    from imgclf import train
+    from imgclf.train import runner
 
     params, name = _stage_params(args, slices.train_params)
     default_lr = slices.lr_file(settings.section(params, "train")["lr_source"], name)
-    summary = train.run(params, args.memory or f"results/memory/{name}.json",
-                        args.lr_file or default_lr,
-                        args.out_dir or f"results/train/{name}", args.forecast, args.run)
+    summary = runner.run(params, args.memory or f"results/memory/{name}.json",
+                         args.lr_file or default_lr,
+                         args.out_dir or f"results/train/{name}", args.forecast, args.run)
     if summary is not None:  # global rank 0
         print(json.dumps({"best_val_acc1": summary["best"]["val_acc1"],
                           "best_epoch": summary["best"]["epoch"],

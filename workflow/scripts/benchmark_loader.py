@@ -1,5 +1,6 @@
-from imgclf import loader_bench, stage
+from imgclf import stage
+from imgclf.loader_bench import bench
 
-stage.run(lambda: loader_bench.run(**snakemake.params.p, out_json=snakemake.output.json,
-                                         out_csv=snakemake.output.csv,
-                                         inputs=[snakemake.input.verdict]), snakemake.log[0])
+stage.run(lambda: bench.run(**snakemake.params.p, out_json=snakemake.output.json,
+                            out_csv=snakemake.output.csv,
+                            inputs=[snakemake.input.verdict]), snakemake.log[0])

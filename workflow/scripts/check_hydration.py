@@ -1,7 +1,8 @@
-from imgclf import hydration, stage
+from imgclf import stage
+from imgclf.hydration import check
 
 out = snakemake.output
-stage.run(lambda: hydration.run(
+stage.run(lambda: check.run(
     **snakemake.params.p, out=out.report, out_verdict=out.verdict, out_excluded=out.excluded,
     out_index={"train": out.train_index, "val": out.val_index},
 ), snakemake.log[0])

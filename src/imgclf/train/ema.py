@@ -1,6 +1,6 @@
 """Exponential moving average (EMA) of the weights, as a Lightning callback.
 
-Wiring (in `imgclf.train.run`, next to the other callbacks; needs lightning >= 2.6.0, where
+Wiring (in `imgclf.train.wiring`, next to the other callbacks; needs lightning >= 2.6.0, where
 `lightning.pytorch.callbacks.WeightAveraging` appeared):
 
     from imgclf.train.ema import for_recipe

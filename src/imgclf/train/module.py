@@ -17,7 +17,8 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from imgclf import recipes, sampling, weights
-from imgclf.data import datasets, loaders, mixup
+from imgclf.data import loaders, mixup
+from imgclf.data.datasets import train_dataset, val_dataset
 from imgclf.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -290,8 +291,8 @@ def datasets(index: dict, decoder: str, resolution: int, recipe: str,
     """(train, val) data sets from the file indexes (or data roots) in `index`, less the files
     in `exclude`; both splits must hold the same classes."""
     rec = recipes.get(recipe)
-    train = datasets.train_dataset(index["train"], decoder, resolution, rec, exclude)
-    val = datasets.val_dataset(index["val"], decoder, resolution, rec, exclude)
+    train = train_dataset(index["train"], decoder, resolution, rec, exclude)
+    val = val_dataset(index["val"], decoder, resolution, rec, exclude)
     if train.classes != val.classes:
         raise UserError(f"{index['train']} has {len(train.classes)} classes and {index['val']} "
                         f"{len(val.classes)}, or their names differ: rerun the hydration check, "
