@@ -544,7 +544,7 @@ MUTATIONS = [
              "on a small GPU at 32 px the verification backed off to batch 1 and batch norm's "
              "ValueError escaped the search"),
     Mutation("memory-solve-never-accumulates", "src/imgclf/memory/solve.py",
-             'accum = accumulation(p.target, batch.per_device, p.devices, hw["nodes"])',
+             'accum = accumulation(p.target, batch.per_device, p.world)',
              "accum = 1",
              ("tests/test_memory.py::"
               "test_rule_accumulates_when_one_rank_cannot_hold_the_global_batch",),
@@ -829,6 +829,22 @@ MUTATIONS = [
              ('tests/test_slurm_shapes.py::test_imgclf_resources_knows_every_rules_kind_of_job',
               'tests/test_slurm_shapes.py::test_docs_slurm_shows_what_imgclf_resources_prints'),
              "`imgclf resources` and docs/slurm.md drifted from the export rule's declared request"),
+    # --- world size, global batch and the CPU split, each computed once ---
+    Mutation('world-size-of-one-node', 'src/imgclf/hardware.py',
+             'return int(entry["devices_per_node"]) * int(entry["nodes"])',
+             'return int(entry["devices_per_node"])',
+             ('tests/test_memory.py::test_a_plan_whose_global_batch_is_not_its_parts_product_is_refused',),
+             "a world of one node's devices: a solve of 2 nodes of 8 GPUs read as 8 devices, its global batch of 1024 as 512"),
+    Mutation('plan-trusts-a-disagreeing-global-batch', 'src/imgclf/artifacts.py',
+             '        check_global_batch(d, path)\n',
+             '',
+             ('tests/test_memory.py::test_a_plan_whose_global_batch_is_not_its_parts_product_is_refused',),
+             "a hand-edited memory solve trained one global batch while the LR stage scaled the LR for the one it states"),
+    Mutation('world-size-taken-twice', 'src/imgclf/train/trainer.py',
+             '    world = world_size(c)\n',
+             '    world = int(c["devices_per_node"]) * int(c["nodes"])\n',
+             ('tests/test_structure.py::test_the_world_size_is_taken_in_one_place',),
+             "devices x nodes recomputed beside hardware.world_size, as eight modules once did: a copy that forgets the nodes splits the batch over another world"),
 ]
 
 

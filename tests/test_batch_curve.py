@@ -322,7 +322,8 @@ def batch_runs(tmp_path, multiples, reached_at=None) -> dict:
     tmp_path.mkdir(exist_ok=True)
     memory = tmp_path / "memory.json"
     memory.write_text(json.dumps({"cluster": "local", "per_device_batch": 64,
-                                  "accumulate_grad_batches": 1, "devices_per_node": 2,
+                                  "accumulate_grad_batches": 1, "global_batch": 128,
+                                  "devices_per_node": 2,
                                   "nodes": 1, "num_workers": 0, "prefetch_factor": None,
                                   "decoder": "pil"}))
     noise = tmp_path / "noise.json"

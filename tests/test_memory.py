@@ -89,6 +89,26 @@ def test_rule_accumulates_when_one_rank_cannot_hold_the_global_batch(through_mem
     assert (through_memory / "results/memory/local.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_a_plan_whose_global_batch_is_not_its_parts_product_is_refused(tmp_path):
+    """A two-node solve reads as a plan of 16 devices whose global batch the report states; a
+    report whose global batch is not per-device batch x devices x nodes x accumulation (edited
+    by hand) is refused in one sentence that names it and the rerun, rather than training one
+    batch while the LR was scaled for another."""
+    solved = {"cluster": "p4", "per_device_batch": 32, "accumulate_grad_batches": 2,
+              "global_batch": 1024, "devices_per_node": 8, "nodes": 2, "num_workers": 4,
+              "prefetch_factor": 2, "decoder": "pil"}
+    path = tmp_path / "p4.json"
+    path.write_text(json.dumps(solved))
+    plan = Plan.read(path, "p4")
+    assert (plan.world_size, plan.global_batch) == (16, 1024)
+    path.write_text(json.dumps({**solved, "per_device_batch": 64}))
+    with pytest.raises(UserError) as err:
+        Plan.read(path, "p4")
+    msg = str(err.value)
+    assert one_sentence(msg) and str(path) in msg and "1024" in msg and "2048" in msg
+    assert "`snakemake --forcerun solve_memory`" in msg
+
+
 def test_activation_count_of_a_linear_stack_matches_the_hand_count():
     a, b, c, d = 7, 11, 13, 5
     model = nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, c), nn.Tanh(), nn.Linear(c, d))
@@ -188,11 +208,11 @@ def test_resnet50_amp_batch_grows_with_gpu_memory_p3_g5_p4(monkeypatch):
 
 
 def test_accumulation_arithmetic():
-    assert memory.accumulation(1024, 96, 4, 1) == 3  # 96 x 4 x 3 = 1152 >= 1024
-    assert memory.accumulation(1024, 256, 4, 1) == 1
-    assert memory.accumulation(1024, 64, 8, 2) == 1
-    assert memory.accumulation(2048, 40, 8, 1) == 7  # 40 x 8 x 6 = 1920 < 2048
-    assert memory.accumulation(128, 200, 2, 1) == 1
+    assert memory.accumulation(1024, 96, 4) == 3  # 96 x 4 x 3 = 1152 >= 1024
+    assert memory.accumulation(1024, 256, 4) == 1
+    assert memory.accumulation(1024, 64, 16) == 1
+    assert memory.accumulation(2048, 40, 8) == 7  # 40 x 8 x 6 = 1920 < 2048
+    assert memory.accumulation(128, 200, 2) == 1
     assert memory.round_down(150, 8) == 144 and memory.round_down(5, 8) == 5
 
 

@@ -174,3 +174,25 @@ def test_each_rule_lists_the_code_its_stage_runs(listed_code):
             problems.append(f"{rule} lists {sorted(listed - runs)}, which it does not run or "
                             f"which cannot change its results")
     assert not problems, problems
+
+
+# A product of a node's devices and the nodes as code spells it: hw["devices_per_node"] *
+# hw["nodes"], int(c["nodes"]) * int(c["gpus_per_node"]), self.devices_per_node * self.nodes,
+# devices * nodes (one line; a name in between, such as `hours * plan.nodes`, is no product)
+DEVICES, NODES = r"\b(?:devices_per_node|gpus_per_node|devices|per_node)\b", r"\bnodes\b"
+TIMES = r"[\"'\])]*\s*\*\s*[\w.\[\]\"'(]*"
+WORLD_PRODUCT = re.compile(f"{DEVICES}{TIMES}{NODES}|{NODES}{TIMES}{DEVICES}")
+
+
+def test_the_world_size_is_taken_in_one_place():
+    """devices_per_node x nodes is computed by imgclf.hardware.world_size alone: a second
+    product drifts (one reads gpus_per_node, another forgets the nodes), and the memory solve,
+    its plan, training and the Slurm request then split the global batch over other worlds."""
+    workflow = [p for p in sorted((REPO / "workflow").rglob("*"))
+                if p.suffix in (".py", ".smk") or p.name == "Snakefile"]
+    hits = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+            for path in [*sorted(PACKAGE.rglob("*.py")), *workflow]
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if WORLD_PRODUCT.search(line)]
+    assert [hit.split(":")[0] for hit in hits] == ["src/imgclf/hardware.py"], \
+        "devices x nodes taken outside hardware.world_size (call it instead):\n" + "\n".join(hits)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from imgclf import hardware
 from imgclf.errors import UserError
 from imgclf.provenance import read_json
 
@@ -63,12 +64,14 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.devices_per_node * self.nodes
+        return hardware.world_size(vars(self))
 
     @property
     def global_batch(self) -> int:
-        """Images per optimizer step over all devices: the batch the training LR is for."""
-        return self.per_device_batch * self.world_size * self.accumulate_grad_batches
+        """Images per optimizer step over all devices: the batch the training LR is for (`read`
+        refuses a report whose own global batch is another)."""
+        return hardware.global_batch(self.per_device_batch, self.world_size,
+                                     self.accumulate_grad_batches)
 
     @classmethod
     def read(cls, path, cluster: str) -> "Plan":
@@ -76,8 +79,8 @@ class Plan:
         d = read(path, "Memory solve", how)
         if "per_device_batch" not in d and "per_gpu_batch" in d:  # written before the rename
             d["per_device_batch"] = d["per_gpu_batch"]
-        keys = ("cluster", "per_device_batch", "accumulate_grad_batches", "devices_per_node",
-                "nodes", "num_workers", "prefetch_factor", "decoder")
+        keys = ("cluster", "per_device_batch", "accumulate_grad_batches", "global_batch",
+                "devices_per_node", "nodes", "num_workers", "prefetch_factor", "decoder")
         require(d, keys, "Memory solve", path, how)
         if d["cluster"] != cluster:
             raise UserError(f"Memory solve {path} is for cluster {d['cluster']!r}, not "
@@ -85,6 +88,7 @@ class Plan:
         if d["decoder"] not in DECODERS:
             raise UserError(f"Memory solve {path} names decoder {d['decoder']!r}: expected one "
                             f"of {', '.join(DECODERS)} ({how}).")
+        check_global_batch(d, path)
         return cls(path=str(path), cluster=cluster,
                    per_device_batch=int(d["per_device_batch"]),
                    accumulate_grad_batches=int(d["accumulate_grad_batches"]),
@@ -94,6 +98,20 @@ class Plan:
                    else int(d["prefetch_factor"]),
                    decoder=d["decoder"],
                    host_bytes_per_process=d.get("predicted_host_bytes_per_process"))
+
+
+def check_global_batch(d: dict, path) -> None:
+    """Refuse a memory solve whose global batch is not its own parts' product (a report edited
+    by hand, or written by another version): training would run one batch while the LR stage
+    scaled the LR for the other."""
+    world = hardware.world_size(d)
+    parts = hardware.global_batch(int(d["per_device_batch"]), world,
+                                  int(d["accumulate_grad_batches"]))
+    if int(d["global_batch"]) != parts:
+        raise UserError(f"Memory solve {path} records a global batch of {d['global_batch']}, "
+                        f"but its per-device batch {d['per_device_batch']} x {world} devices x "
+                        f"accumulation {d['accumulate_grad_batches']} make {parts}: rerun it "
+                        f"with `snakemake --forcerun solve_memory`.")
 
 
 @dataclass(frozen=True)

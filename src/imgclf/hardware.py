@@ -205,6 +205,24 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def world_size(entry) -> int:
+    """The devices a training of the entry runs on: `devices_per_node` on each of its `nodes`
+    (a resolved entry, or the memory solve's report, which records both). The one place the
+    product is taken, so that the solve, its plan, training and the Slurm request agree."""
+    return int(entry["devices_per_node"]) * int(entry["nodes"])
+
+
+def global_batch(per_device: int, world: int, accumulation: int) -> int:
+    """Images per optimizer step over all devices: the batch the training LR is for."""
+    return per_device * world * accumulation
+
+
+def target_per_device(target_global: int, world: int) -> int:
+    """The per-device batch that splits a target global batch over `world` devices without
+    accumulation: rounded up, so that the devices together reach the target."""
+    return max(1, math.ceil(target_global / world))
+
+
 def device_cpus(entry: dict) -> int:
     """One device's share of its node's CPUs (at least one): what one rank's loader plan is
     chosen for (the loader benchmark's worker grid) and what a job of one device asks a

@@ -113,6 +113,7 @@ rule summarize_batch:
             "batch.grid",
             "gradient_noise",
             "artifacts",
+            "hardware",
             "budget",
             "lr.grid",
         ),

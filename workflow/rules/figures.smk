@@ -143,7 +143,7 @@ rule plot_training:
     input:
         metrics="results/train/{cluster}/metrics.csv",
         summary="results/train/{cluster}/train_summary.json",
-        code=code("figures.training", "figures.common", "artifacts"),
+        code=code("figures.training", "figures.common", "artifacts", "hardware"),
     output:
         report(
             "results/train/{cluster}/curves.png",

@@ -28,7 +28,7 @@ rule summarize_lr:
     input:
         runs=lambda wc: lr_runs(wc.cluster),
         memory="results/memory/{cluster}.json",
-        code=code("lr.summary", "lr.scaling", "recipes", "artifacts"),
+        code=code("lr.summary", "lr.scaling", "recipes", "artifacts", "hardware"),
     output:
         summary="results/lr/{cluster}_summary.json",
     log:

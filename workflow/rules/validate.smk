@@ -73,7 +73,7 @@ checkpoint validate_lr_edge:
     that redoes no step and no run."""
     input:
         runs=lambda wc: lr_validation_runs(wc.cluster, int(wc.step)),
-        code=code("lr.validation", "lr.grid", "artifacts"),
+        code=code("lr.validation", "lr.grid", "artifacts", "hardware"),
     output:
         "results/lr/{cluster}/validate/edge{step}.json",
     log:
@@ -109,7 +109,7 @@ rule summarize_lr_validation:
         runs=lambda wc: lr_validation_runs(wc.cluster),
         steps="results/lr/{cluster}/validate/extend_steps.json",
         lr="results/lr/{cluster}_summary.json",
-        code=code("lr.validation", "lr.grid", "artifacts"),
+        code=code("lr.validation", "lr.grid", "artifacts", "hardware"),
     output:
         json="results/lr/{cluster}_validation.json",
     log:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from imgclf import artifacts, budget
+from imgclf import artifacts, budget, hardware
 from imgclf.lr import grid as lr_grid
 from imgclf.errors import UserError
 
@@ -36,7 +36,7 @@ def shape(plan: artifacts.Plan, multiple: float) -> dict:
             raise UserError(f"`batch_curve.multiples` holds {k:g}, below one image per device "
                             f"for the plan's global batch {plan.global_batch}: raise it.")
     return {"multiple": k, "per_device_batch": batch, "accumulate_grad_batches": accumulate,
-            "global_batch": batch * accumulate * plan.world_size}
+            "global_batch": hardware.global_batch(batch, plan.world_size, accumulate)}
 
 
 def plan_steps(train_images: int, epochs: int, plan: artifacts.Plan, limit=None) -> int:

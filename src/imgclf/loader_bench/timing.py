@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from imgclf import hardware
+from imgclf import hardware
 from imgclf import recipes
 from imgclf.data import loaders
 
@@ -91,7 +92,7 @@ def planned_batch(loader_cfg: dict, hw: dict, recipe: recipes.Recipe) -> int:
     (the memory solve may lower it later and re-checks the RAM buffer at its batch)."""
     if loader_cfg["batch_size"] != "auto":
         return int(loader_cfg["batch_size"])
-    return max(1, math.ceil(recipe.target_global_batch / (hw["devices_per_node"] * hw["nodes"])))
+    return hardware.target_per_device(recipe.target_global_batch, hardware.world_size(hw))
 
 
 def grid(loader_cfg: dict, workers: list[int]) -> list[tuple[str, int, int]]:

@@ -283,6 +283,7 @@ def round_down(batch: int, multiple: int) -> int:
     return batch - batch % multiple if batch >= multiple else batch
 
 
-def accumulation(target_global: int, per_device: int, devices: int, nodes: int) -> int:
-    """Steps to accumulate so that per_device x devices x nodes x steps reaches the target."""
-    return max(1, math.ceil(target_global / (per_device * devices * nodes)))
+def accumulation(target_global: int, per_device: int, world: int) -> int:
+    """Steps to accumulate so that the global batch (hardware.global_batch: per_device x world x
+    steps) reaches the target."""
+    return max(1, math.ceil(target_global / (per_device * world)))

@@ -288,7 +288,7 @@ def beside_the_probes(memory: dict, hw: dict, recipe, counts: dict) -> dict:
     training runs on several devices, and the recipe's moving average of the weights (a second
     copy of parameters and buffers on the same device, Lightning's WeightAveraging). `counts`:
     the model's parameter and buffer bytes (`count_params`)."""
-    several = hw["devices_per_node"] * hw["nodes"] > 1
+    several = hardware.world_size(hw) > 1
     return {"ddp_buckets": counts["param_bytes"] if several else 0,
             "nccl": int(memory["nccl_gb"] * GB) if several else 0,
             "ema_weights": (counts["param_bytes"] + counts["buffer_bytes"]

@@ -9,7 +9,6 @@ report (results/memory/{cluster}.json) and its plot."""
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 from imgclf import artifacts, hardware, provenance
@@ -48,7 +47,7 @@ class Problem:
 
     @property
     def world(self) -> int:
-        return self.hw["devices_per_node"] * self.hw["nodes"]
+        return hardware.world_size(self.hw)
 
     @property
     def target(self) -> int:
@@ -71,8 +70,7 @@ class Problem:
         return breakdown(batch, self.prof, resolution=self.train_resolution,
                          state_floats=self.state_floats, world=self.world, memory=self.memory,
                          gpu=self.gpu, ema=self.recipe.ema_decay is not None,
-                         accumulates=accumulation(self.target, batch, self.devices,
-                                                  self.hw["nodes"]) > 1,
+                         accumulates=accumulation(self.target, batch, self.world) > 1,
                          step_copies=self.step_copies)
 
     def total(self, batch: int) -> int:
@@ -167,7 +165,7 @@ def cpu_batch(p: Problem) -> Batch:
                         f"{total_host(1) / GB:.2f} GB per CPU rank, over the host RAM budget "
                         f"of {budget / GB:.2f} GB per rank (clusters.{hw['name']}.ram_gb x "
                         f"loader.ram_margin / devices).")
-    target_device = math.ceil(p.target / p.world)
+    target_device = hardware.target_per_device(p.target, p.world)
     per_device = min(target_device, p.max_batch)
     limited_by = "target_global_batch" if per_device == target_device else "max_batch"
     if fitting < per_device:
@@ -245,7 +243,7 @@ def report(p: Problem, batch: Batch, accum: int, loader_fit: tuple, warnings: li
         "nodes": hw["nodes"],
         "per_device_batch": per_device,
         "accumulate_grad_batches": accum,
-        "global_batch": per_device * p.world * accum,
+        "global_batch": hardware.global_batch(per_device, p.world, accum),
         "target_global_batch": p.target,
         "largest_fitting_batch": batch.fitting,
         "estimated_batch": batch.estimated,
@@ -281,10 +279,11 @@ def solve(memory: dict, model: dict, hw: dict, loader: dict, gpu_here=None) -> d
     hardware.check_precision(hw, model["precision"])
     p = problem(memory, model, hw, loader)
     batch = gpu_batch(p, gpu_here) if p.gpu else cpu_batch(p)
-    accum = accumulation(p.target, batch.per_device, p.devices, hw["nodes"])
+    accum = accumulation(p.target, batch.per_device, p.world)
     loader_fit = fit_loader(p, batch.per_device)
     warnings = ([f"loader: {loader['note']}"] if loader.get("note") else []) + batch.warnings
-    warnings += batch_warnings(p, batch.per_device, batch.per_device * p.world * accum)
+    warnings += batch_warnings(p, batch.per_device,
+                               hardware.global_batch(batch.per_device, p.world, accum))
     warnings += loader_fit[3]
     return report(p, batch, accum, loader_fit, warnings)
 

@@ -17,7 +17,8 @@ import sys
 
 from imgclf.artifacts import forecast_seconds
 from imgclf.provenance import read_json
-from imgclf.hardware import GB, JOB_MEM_FRACTION, MIB, device_cpus, local_device_count
+from imgclf.hardware import (GB, JOB_MEM_FRACTION, MIB, device_cpus, local_device_count,
+                              world_size)
 
 
 def on_slurm(executor: str | None, remote_mode: bool) -> bool:
@@ -89,11 +90,10 @@ def job_device_cpus(workflow, cluster: dict) -> int:
 def train_layout(cluster: dict) -> dict:
     """One task per device (GPU, or CPU process without GPUs) on each of the entry's nodes, each
     with one device's share of the node's CPUs and memory."""
-    nodes, per_node = int(cluster["nodes"]), int(cluster["devices_per_node"])
     return {
-        "nodes": nodes,
-        "tasks_per_node": per_node,
-        "world_size": nodes * per_node,
+        "nodes": int(cluster["nodes"]),
+        "tasks_per_node": int(cluster["devices_per_node"]),
+        "world_size": world_size(cluster),
         "gpus_per_node": int(cluster["gpus_per_node"]),
         "cpus_per_task": device_cpus(cluster),
         "mem_mb_per_cpu": memory_mb_per_cpu(cluster, device_cpus(cluster)),

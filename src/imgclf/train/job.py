@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from imgclf import devices, recipes, settings
+from imgclf import devices, hardware, recipes, settings
 from imgclf.artifacts import Plan, RunShape
 from imgclf.errors import UserError
 from imgclf.train.learning_rate import resolve_lr
@@ -102,7 +102,7 @@ def prepare(params: dict, memory_path, lr_file, out_dir, run_path=None) -> Job:
     cluster, model_cfg = params["cluster"], params["model"]
     check_hardware(cluster, str(model_cfg["precision"]))
     plan = Plan.read(memory_path, cluster["name"])
-    world = int(cluster["devices_per_node"]) * int(cluster["nodes"])
+    world = hardware.world_size(cluster)
     if plan.world_size != world:
         raise UserError(f"Memory solve {memory_path} plans {plan.world_size} devices but cluster "
                         f"{cluster['name']!r} has {world}: rerun `snakemake {memory_path}`.")

@@ -12,7 +12,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from imgclf.hardware import usable_cpus
+from imgclf.hardware import usable_cpus, world_size
 from imgclf.slurm import task as slurm_task
 from imgclf.train.callbacks import AtomicCheckpointIO
 from imgclf.train.job import Job, collective_timeout
@@ -40,7 +40,7 @@ def trainer_options(job: Job) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
     c, t = job.cluster, job.t
-    world = int(c["devices_per_node"]) * int(c["nodes"])
+    world = world_size(c)
     if c["accelerator"] == "mps":
         placement = {"strategy": "auto", "plugins": [AtomicCheckpointIO()]}
     else:
