@@ -15,9 +15,7 @@ import time
 import psutil
 import torch
 
-from imgclf import hardware
-from imgclf import hardware
-from imgclf import recipes
+from imgclf import hardware, recipes
 from imgclf.data import loaders
 
 GB = 1e9
