@@ -3,6 +3,7 @@ stage of the complete demo run, and the LR runs of a GPU entry on stand-in GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -19,7 +20,7 @@ import yaml
 from PIL import Image
 
 from conftest import REPO, SMALL_MODEL, demo_workflow, one_sentence, snakemake
-from imgclf import settings, slices
+from imgclf import recipes, settings, slices
 from imgclf.lr import find as lr_find
 from imgclf.lr import scaling as lr_scaling
 from imgclf.lr import summary as lr_summary
@@ -187,6 +188,24 @@ def test_scaling_rules():
     assert lr_scaling.scale_lr(0.1, 64, 256, "linear") == pytest.approx(0.4)
     assert lr_scaling.scale_lr(0.1, 64, 256, "sqrt") == pytest.approx(0.2)
     assert lr_scaling.scale_lr(0.1, 64, 256, "none") == pytest.approx(0.1)
+
+
+def test_an_unknown_scaling_rule_names_the_key_and_its_choices():
+    with pytest.raises(UserError) as e:
+        lr_scaling.scale_lr(0.1, 64, 256, "cubic")
+    message = str(e.value)
+    assert one_sentence(message) and "'cubic'" in message and "lr_finder.scaling" in message
+    assert "linear, sqrt, none" in message
+
+
+def test_auto_scaling_of_an_optimizer_without_a_convention_is_linear():
+    """A recipe whose optimizer has no published scaling convention (here RMSprop) moves its
+    LR linearly, as SGD does, and the reason says so."""
+    recipe = dataclasses.replace(recipes.get("goyal"), optimizer="rmsprop")
+    rule, why = lr_scaling.scaling_rule({"scaling": "auto"}, recipe)
+    assert rule == "linear" and "SGD scales linearly" in why
+    lr, rule, _ = lr_scaling.lr_at_batch({"scaling": "auto"}, recipe, 0.1, 64, 256)
+    assert rule == "linear" and lr == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("recipe, rule, factor", [("goyal", "linear", 4.0),
