@@ -845,6 +845,16 @@ MUTATIONS = [
              '    world = int(c["devices_per_node"]) * int(c["nodes"])\n',
              ('tests/test_structure.py::test_the_world_size_is_taken_in_one_place',),
              "devices x nodes recomputed beside hardware.world_size, as eight modules once did: a copy that forgets the nodes splits the batch over another world"),
+    Mutation('results-path-spelt-in-the-cli', 'src/imgclf/cli.py',
+             'out = args.out or layout.memory_prefix(name)',
+             'out = args.out or f"results/memory/{name}"',
+             ('tests/test_structure.py::test_results_paths_are_spelt_in_the_layout_module_only',),
+             "a results path spelt in the CLI drifts from the rule that writes it: `imgclf solve-memory` would write where the workflow no longer reads"),
+    Mutation('layout-moves-the-memory-solve', 'src/imgclf/layout.py',
+             'return f"{memory_prefix(entry)}.json"',
+             'return f"{memory_prefix(entry)}.plan.json"',
+             ('tests/test_commands.py::test_dry_run_as_typed[snakemake results/memory/p4.json --cores all]',),
+             "the memory solve's path is the layout's: the documented `snakemake results/memory/p4.json` would name a file no rule makes"),
 ]
 
 

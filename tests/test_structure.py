@@ -33,6 +33,8 @@ NEUTRAL = {
     "lr": "the LR package's docstring: each of its modules is a unit of its own",
     "batch": "the batch curve package's docstring: each of its modules is a unit of its own",
     "figures": "the figures package's docstring: each of its modules is a unit of its own",
+    "layout": "where each artifact lives: a renamed path reaches the rules through their own "
+              "input and output patterns, never through a stage's figures",
 }
 # a shell rule's command: the `imgclf` sub-command, and the module it runs
 SUBCOMMANDS = {"train": "train.runner", "evaluate": "evaluate"}
@@ -196,3 +198,44 @@ def test_the_world_size_is_taken_in_one_place():
             if WORLD_PRODUCT.search(line)]
     assert [hit.split(":")[0] for hit in hits] == ["src/imgclf/hardware.py"], \
         "devices x nodes taken outside hardware.world_size (call it instead):\n" + "\n".join(hits)
+
+
+# A path into results/ as code spells it ("results/memory/", f"results/{x}"); "results/ that"
+# in a sentence names the folder, not an artifact.
+RESULTS_PATH = re.compile(r"results/([\w{<]|$)")
+# argparse's prose for the user: it may name the default paths it describes
+PROSE_KEYWORDS = {"help", "description", "epilog"}
+
+
+def prose(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are prose: docstrings and argparse help texts."""
+    found = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant):
+            found.add(id(body[0].value))
+        if isinstance(node, ast.keyword) and node.arg in PROSE_KEYWORDS:
+            found |= {id(n) for n in ast.walk(node.value)}
+    return found
+
+
+def results_paths(source: str, name: str) -> list[str]:
+    """The string constants of `source` (an f-string's parts too) that spell a results path."""
+    tree = ast.parse(source)
+    skip = prose(tree)
+    return [f"{name}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in skip and RESULTS_PATH.search(node.value)]
+
+
+def test_results_paths_are_spelt_in_the_layout_module_only():
+    """Every artifact's path comes from imgclf.layout: a path spelt in a second place drifts
+    from the rule that writes it, and `imgclf <stage>` then reads or writes another file than
+    the workflow's."""
+    sample = ('"""results/a.json"""\np.add_argument("--x", help="default results/a.json")\n'
+              'out = x or f"results/memory/{name}.json"\nraise E("run `snakemake results/b`")\n')
+    assert sorted(hit.split(": ", 1)[0] for hit in results_paths(sample, "s")) == ["s:3", "s:4"]
+    spelt = [hit for path in sorted(PACKAGE.rglob("*.py")) if path.name != "layout.py"
+             for hit in results_paths(path.read_text(), str(path.relative_to(REPO)))]
+    assert not spelt, "results paths spelt outside imgclf.layout:\n" + "\n".join(spelt)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from imgclf import hardware
+from imgclf import hardware, layout
 from imgclf.errors import UserError
 from imgclf.provenance import read_json
 
@@ -75,7 +75,7 @@ class Plan:
 
     @classmethod
     def read(cls, path, cluster: str) -> "Plan":
-        how = f"run `snakemake results/memory/{cluster}.json`"
+        how = f"run `snakemake {layout.memory(cluster)}`"
         d = read(path, "Memory solve", how)
         if "per_device_batch" not in d and "per_gpu_batch" in d:  # written before the rename
             d["per_device_batch"] = d["per_gpu_batch"]
@@ -84,7 +84,7 @@ class Plan:
         require(d, keys, "Memory solve", path, how)
         if d["cluster"] != cluster:
             raise UserError(f"Memory solve {path} is for cluster {d['cluster']!r}, not "
-                            f"{cluster!r}: pass results/memory/{cluster}.json.")
+                            f"{cluster!r}: pass {layout.memory(cluster)}.")
         if d["decoder"] not in DECODERS:
             raise UserError(f"Memory solve {path} names decoder {d['decoder']!r}: expected one "
                             f"of {', '.join(DECODERS)} ({how}).")
@@ -306,7 +306,7 @@ def edge_step(path) -> float | None:
         return None if multiple is None else float(multiple)
     except (ValueError, KeyError, TypeError):
         raise UserError(f"{path} is not an LR validation edge step: delete it and rerun the "
-                        f"stage (`snakemake results/lr/CLUSTER_validation.json`).") from None
+                        f"stage (`snakemake {layout.lr_validation('CLUSTER')}`).") from None
 
 
 def handoff_key(path) -> dict | None:

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from imgclf import settings, slices, stage
+from imgclf import layout, settings, slices, stage
 from imgclf.slurm import request, requeue
 
 
@@ -43,7 +43,7 @@ def cmd_check_hydration(args):
     p = slices.hydration_params(config, name)
     if args.restore:
         p["params"]["restore"] = True
-    out = args.out or f"results/hydration/{name}.json"
+    out = args.out or layout.hydration(name)
     stem = out[:-len(".json")] if out.endswith(".json") else out
     report = check.run(**p, out=out, out_verdict=f"{stem}.verdict.json",
                        out_excluded=f"{stem}.excluded.txt",
@@ -59,7 +59,7 @@ def cmd_benchmark_loader(args):
 
     config = _config(args)
     name = config["cluster"]
-    out = args.out or f"results/loader/{name}"
+    out = args.out or layout.loader_prefix(name)
     report = bench.run(**slices.loader_params(config, name), out_json=f"{out}.json",
                        out_csv=f"{out}.csv")
     from imgclf.figures import loader as figure
@@ -73,9 +73,9 @@ def cmd_solve_memory(args):
 
     config = _config(args)
     name = config["cluster"]
-    out = args.out or f"results/memory/{name}"
+    out = args.out or layout.memory_prefix(name)
     report = memory.run(**slices.memory_params(config, name),
-                              loader_json=args.loader or f"results/loader/{name}.json",
+                              loader_json=args.loader or layout.loader(name),
                               out_json=f"{out}.json")
     from imgclf.figures import memory as figure
 
@@ -127,9 +127,9 @@ def cmd_train(args):
 
     params, name = _stage_params(args, slices.train_params)
     default_lr = slices.lr_file(settings.section(params, "train")["lr_source"], name)
-    summary = runner.run(params, args.memory or f"results/memory/{name}.json",
+    summary = runner.run(params, args.memory or layout.memory(name),
                          args.lr_file or default_lr,
-                         args.out_dir or f"results/train/{name}", args.forecast, args.run)
+                         args.out_dir or layout.train_dir(name), args.forecast, args.run)
     if summary is not None:  # global rank 0
         print(json.dumps({"best_val_acc1": summary["best"]["val_acc1"],
                           "best_epoch": summary["best"]["epoch"],
@@ -141,13 +141,13 @@ def cmd_evaluate(args):
     from imgclf import evaluate
 
     params, name = _stage_params(args, slices.evaluate_params)
-    out = args.out or f"results/eval/{name}.json"
-    report = evaluate.run(params, args.memory or f"results/memory/{name}.json",
-                          args.checkpoint or f"results/train/{name}/best.ckpt", out)
+    out = args.out or layout.evaluation(name)
+    report = evaluate.run(params, args.memory or layout.memory(name),
+                          args.checkpoint or layout.best_checkpoint(name), out)
     if not args.no_figure:
         from imgclf.figures import evaluation as figure
 
-        figure.draw(out, args.confusion or f"results/eval/{name}_confusion.png")
+        figure.draw(out, args.confusion or layout.confusion(name))
     print(json.dumps({k: report[k] for k in ("top1", "top5", "loss", "num_images")}))
 
 
@@ -156,12 +156,12 @@ def cmd_export(args):
 
     config = _config(args)
     name = config["cluster"]
-    out = args.out_dir or f"results/export/{name}"
+    out = args.out_dir or layout.export_dir(name)
     described = export.run(**slices.export_params(config, name),
-                           checkpoint=args.checkpoint or f"results/train/{name}/best.ckpt",
-                           summary_path=f"results/train/{name}/train_summary.json",
-                           evaluation_path=f"results/eval/{name}.json",
-                           memory_path=args.memory or f"results/memory/{name}.json",
+                           checkpoint=args.checkpoint or layout.best_checkpoint(name),
+                           summary_path=layout.train_summary(name),
+                           evaluation_path=layout.evaluation(name),
+                           memory_path=args.memory or layout.memory(name),
                            val_index=slices.index_files(name)["val"], out_dir=out)
     print(json.dumps({"out": out, "onnx_top1_agreement":
                       described["onnx"]["check"]["top1_agreement"]}))
@@ -191,10 +191,10 @@ def cmd_lr_find(args):
     config = _config(args)
     name = config["cluster"]
     p = slices.lr_find_params(config, name)
-    memory = _upstream(args.memory or f"results/memory/{name}.json", f"results/memory/{name}.json")
+    memory = _upstream(args.memory or layout.memory(name), layout.memory(name))
     runs = args.runs or config["lr_finder"]["runs"]
     for run in range(runs):
-        out = f"{args.out_dir or f'results/lr/{name}'}/run{run}.json"
+        out = f"{args.out_dir or layout.lr_dir(name)}/run{run}.json"
         result = lr_find.run(**p, memory_path=memory, run=run, out=out,
                              batch_size=args.batch_size)
         print(f"{out}: {result['iterations']} iterations, diverged: {result['diverged']}, "
@@ -208,13 +208,13 @@ def cmd_lr_summary(args):
 
     config = _config(args)
     name = config["cluster"]
-    folder = args.out_dir or f"results/lr/{name}"
+    folder = args.out_dir or layout.lr_dir(name)
     runs = args.runs_json or sorted(glob.glob(f"{folder}/run*.json"))
     if not runs:
         from imgclf.errors import UserError
 
         raise UserError(f"No LR-finder runs in {folder}: run `imgclf lr-find --cluster {name}` first.")
-    memory = _upstream(args.memory or f"results/memory/{name}.json", f"results/memory/{name}.json")
+    memory = _upstream(args.memory or layout.memory(name), layout.memory(name))
     summary = lr_summary.run(runs, memory, **slices.lr_summary_params(config, name),
                              out=f"{folder}_summary.json", cluster=name)
     from imgclf.figures import lr as figure
@@ -238,7 +238,7 @@ def cmd_provenance(args):
             return provenance.read_json(path)
         except (OSError, ValueError) as e:
             raise UserError(f"Cannot read {path} as a result JSON ({e.__class__.__name__}): "
-                            f"name a file under results/ that a run wrote.") from None
+                            f"name a file under {layout.RESULTS}/ that a run wrote.") from None
 
     if not args.check:
         for path in args.files:

@@ -22,7 +22,7 @@ import socket
 import statistics
 import time
 
-from imgclf import artifacts, budget, cuda_builds, devices, index, provenance, recipes
+from imgclf import artifacts, budget, cuda_builds, devices, index, layout, provenance, recipes
 from imgclf.artifacts import Plan
 from imgclf.errors import UserError
 from imgclf.progress import hms
@@ -403,7 +403,7 @@ def run(runs, lr_path, hydration_path, loader_path, memory_path, noise_path, tra
               "noise scale": [noise_path]}
     if batch_path:  # its range tests and runs, as the curve's provenance names them
         stages["batch curve"] = [batch_path, *(
-            p for p in curve["provenance"]["inputs"] if p.startswith("results/batch/"))]
+            p for p in curve["provenance"]["inputs"] if p.startswith(layout.BATCH_DIRS))]
     forecast["before_training"] = stages_before_training(stages, provenance.job_seconds(),
                                                          forecast.get("total_s"))
     log.info("%s", forecast["before_training"]["sentence"])

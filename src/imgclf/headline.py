@@ -12,6 +12,7 @@ import base64
 import json
 from pathlib import Path
 
+from imgclf import layout
 from imgclf.progress import hms
 
 SOURCES = {"lr_finder": "the LR finder", "recipe": "the recipe",
@@ -23,9 +24,9 @@ def _read(path: str) -> dict:
 
 
 def paths(c: str) -> dict[str, str]:
-    return {"eval": f"results/eval/{c}.json", "train": f"results/train/{c}/train_summary.json",
-            "lr": f"results/lr/{c}_summary.json", "figure": f"results/lr/{c}.png",
-            "forecast": f"results/forecast/{c}.json", "export": f"results/export/{c}"}
+    return {"eval": layout.evaluation(c), "train": layout.train_summary(c),
+            "lr": layout.lr_summary(c), "figure": layout.lr_figure(c),
+            "forecast": layout.forecast(c), "export": layout.export_dir(c)}
 
 
 def facts(c: str, made: set[str]) -> list[tuple[str, str]]:

@@ -28,6 +28,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 
+from imgclf import layout
 from imgclf.errors import UserError
 from imgclf.provenance import atomic_path
 
@@ -71,7 +72,7 @@ def unescape(text: str) -> str:
 
 
 def index_path(cluster: str, split: str) -> str:
-    return f"results/hydration/{cluster}.{split}.tsv"
+    return layout.split_index(cluster, split)
 
 
 def file_line(cls: str, name: str, size: int) -> str:

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from imgclf import layout
 from imgclf.errors import UserError
 
 FORMAT = "imgclf-export-1"
@@ -25,10 +26,10 @@ def read(folder) -> dict:
     """model.json of an export folder, every file it names checked to be there: one sentence
     naming what is missing."""
     folder = Path(folder)
-    how = "export it again with `snakemake results/export/<entry>` (or `imgclf export`)"
+    how = f"export it again with `snakemake {layout.export_dir('<entry>')}` (or `imgclf export`)"
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder: pass the export folder of a trained model "
-                        f"(results/export/<entry>), or {how}.")
+                        f"({layout.export_dir('<entry>')}), or {how}.")
     missing = [name for name in FILES.values() if not (folder / name).is_file()]
     if missing:
         raise UserError(f"The model folder {folder} lacks {', '.join(missing)}: {how}.")

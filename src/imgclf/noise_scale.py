@@ -10,7 +10,7 @@ import logging
 import math
 import time
 
-from imgclf import budget, one_device, recipes
+from imgclf import budget, layout, one_device, recipes
 from imgclf.lr import scaling as lr_scaling
 from imgclf.artifacts import LRSummary, Plan
 from imgclf.gradient_noise import estimate
@@ -41,7 +41,7 @@ def advice(global_batch: int, b_noise: float | None, stderr: float | None,
     estimate of the batch that pays (LIMITS), with the command that measures that batch
     (imgclf.batch.curve). No time or cost: against the measured curve it was off either way
     (docs/benchmarks.md, "The batch that pays")."""
-    measure = f"measure the batch that pays with `snakemake results/batch/{cluster}.json`"
+    measure = f"measure the batch that pays with `snakemake {layout.batch(cluster)}`"
     if b_noise is None or b_noise <= 0:
         return {"ratio": None, "options": [], "sentence": (
             f"global batch {global_batch:,}: no noise scale (the gradient's mean was below its "

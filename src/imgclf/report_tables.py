@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import logging
 
-from imgclf import artifacts
+from imgclf import artifacts, layout
 from imgclf.errors import UserError
 from imgclf.hardware import GB
 from imgclf.progress import hms
@@ -22,12 +22,12 @@ log = logging.getLogger(__name__)
 TABLES = ("loader", "memory", "lr", "noise", "forecast", "eval")
 # the stage JSON each table is made from ({cluster}: the hardware entry)
 SOURCES = {
-    "loader": "results/loader/{cluster}.json",
-    "memory": "results/memory/{cluster}.json",
-    "lr": "results/lr/{cluster}_summary.json",
-    "noise": "results/noise/{cluster}.json",
-    "forecast": "results/forecast/{cluster}.json",
-    "eval": "results/eval/{cluster}.json",
+    "loader": layout.loader("{cluster}"),
+    "memory": layout.memory("{cluster}"),
+    "lr": layout.lr_summary("{cluster}"),
+    "noise": layout.noise("{cluster}"),
+    "forecast": layout.forecast("{cluster}"),
+    "eval": layout.evaluation("{cluster}"),
 }
 TITLES = {
     "loader": "Chosen loader settings",

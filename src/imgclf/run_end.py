@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from imgclf import headline
+from imgclf import headline, layout
 
 # a job's one-sentence error, as imgclf.stage logs it to the job's log file
 ERROR_LINE = re.compile(r"^\S+ \S+ imgclf(?:\.\S+)? ERROR (.+)$", re.M)
@@ -48,9 +48,9 @@ def summary(outputs: set[str], clusters) -> list[str]:
     lines, made = [], {p for p in outputs if Path(p).exists()}
     for c in sorted(clusters):
         found = headline.facts(c, made)
-        if f"results/report/{c}/landing.rst" in made:
-            found.append(("report", "results/report.html, which `snakemake --report "
-                                    "results/report.html` builds"))
+        if layout.landing(c) in made:
+            found.append(("report", f"{layout.REPORT_HTML}, which `snakemake --report "
+                                    f"{layout.REPORT_HTML}` builds"))
         if found:
             lines += [f"Results of cluster {c!r}:", *(f"  {w:<9} {s}" for w, s in found)]
     return lines

@@ -9,10 +9,10 @@ import functools
 import os
 from pathlib import Path
 
-from imgclf import hardware, weights
+from imgclf import hardware, layout, weights
 from imgclf.errors import UserError
 
-DEMO_ROOT = "results/demo/digits"
+DEMO_ROOT = layout.DEMO_ROOT
 
 
 def describe_validation_error(err) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from imgclf import artifacts, index, predict_files, weights
+from imgclf import artifacts, index, layout, predict_files, weights
 from imgclf.lr import grid as lr_grid
 from imgclf.settings import cluster, data_root
 
@@ -112,7 +112,7 @@ def model_without_weights(config: dict) -> dict:
 def census_key(cluster_name: str) -> dict | None:
     """Verdict and census digest of the hydration check's hand-off (None before the first
     check): what the stages after the check know of the data set's files."""
-    return artifacts.handoff_key(f"results/hydration/{cluster_name}.verdict.json")
+    return artifacts.handoff_key(layout.verdict(cluster_name))
 
 
 def hydration_params(config: dict, cluster_name: str) -> dict:
@@ -129,8 +129,7 @@ def lr_file(lr_source: str, cluster: str) -> str | None:
     (`validation`), or none (`recipe`)."""
     if lr_source == "recipe":
         return None
-    kind = "validation" if lr_source == "validation" else "summary"
-    return f"results/lr/{cluster}_{kind}.json"
+    return layout.lr_validation(cluster) if lr_source == "validation" else layout.lr_summary(cluster)
 
 
 def index_files(cluster_name: str) -> dict:

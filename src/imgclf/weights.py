@@ -33,6 +33,7 @@ import os
 import re
 from pathlib import Path
 
+from imgclf import layout
 from imgclf.errors import UserError
 from imgclf.model_folder import FILES
 
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 KEY = "model.init_from"
 EXPORT_WEIGHTS = FILES["weights"]  # in an export folder, with the architecture's own names
 EXPORT_META = FILES["description"]
-RESULTS = "results"  # where this workflow writes, results/<stage>/{cluster}/ among others
+RESULTS = layout.RESULTS  # where this workflow writes, results/<stage>/{cluster}/ among others
 # dicts that wrap the weights, in the order timm's load_state_dict prefers them
 WRAPPERS = ("state_dict_ema", "model_ema", "state_dict", "model")
 # prefixes of DDP, a LightningModule's attribute and torch.compile's wrapper

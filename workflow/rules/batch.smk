@@ -10,7 +10,7 @@ rule batch_lr_find:
     """One LR range test at `multiple` x the plan's global batch on one device (accumulation
     makes up the batch), read with the LR summary's rule."""
     input:
-        memory="results/memory/{cluster}.json",
+        memory=layout.memory("{cluster}"),
         index=train_index,
         code=code(
             "batch.range_test",
@@ -26,7 +26,7 @@ rule batch_lr_find:
             "lr.scaling",
         ),
     output:
-        "results/batch/{cluster}/x{multiple}/lr.json",
+        layout.batch_lr("{cluster}", "{multiple}"),
     log:
         "logs/batch/{cluster}/lr_x{multiple}.log",
     benchmark:
@@ -48,14 +48,14 @@ rule batch_run_shape:
     batch curve."""
     input:
         unpack(short_run_pace),
-        memory="results/memory/{cluster}.json",
-        lr="results/batch/{cluster}/x{multiple}/lr.json",
+        memory=layout.memory("{cluster}"),
+        lr=layout.batch_lr("{cluster}", "{multiple}"),
         target=batch_target,
         train_index=train_index,
         val_index=val_index,
         code=code("batch.shape", "batch.grid", "lr.grid", *SHAPES_RUN),
     output:
-        "results/batch/{cluster}/x{multiple}/run.json",
+        layout.run_shape(layout.batch_dir("{cluster}", "{multiple}")),
     log:
         "logs/batch/{cluster}/run_x{multiple}_shape.log",
     localrule: True
@@ -71,14 +71,14 @@ rule batch_run:
     until it reaches the target. Checkpoints stay in its folder's checkpoints/, not an output,
     so a killed run resumes."""
     input:
-        memory="results/memory/{cluster}.json",
-        run="results/batch/{cluster}/x{multiple}/run.json",
+        memory=layout.memory("{cluster}"),
+        run=layout.run_shape(layout.batch_dir("{cluster}", "{multiple}")),
         train_index=train_index,
         val_index=val_index,
         code=code(*TRAINS),
     output:
-        summary="results/batch/{cluster}/x{multiple}/train_summary.json",
-        metrics="results/batch/{cluster}/x{multiple}/metrics.csv",
+        summary=layout.run_summary(layout.batch_dir("{cluster}", "{multiple}")),
+        metrics=layout.run_metrics(layout.batch_dir("{cluster}", "{multiple}")),
     log:
         "logs/batch/{cluster}/run_x{multiple}.log",
     benchmark:
@@ -95,7 +95,7 @@ rule batch_run:
     shell:
         "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
         " --memory {input.memory} --run {input.run}"
-        " --out-dir results/batch/{wildcards.cluster}/x{wildcards.multiple} --log {log}"
+        f" --out-dir {layout.batch_dir('{wildcards.cluster}', '{wildcards.multiple}')} --log {{log}}"
 
 
 rule summarize_batch:
@@ -106,8 +106,8 @@ rule summarize_batch:
         runs=lambda wc: batch_files(wc.cluster, "train_summary.json"),
         metrics=lambda wc: batch_files(wc.cluster, "metrics.csv"),
         lrs=lambda wc: batch_files(wc.cluster, "lr.json"),
-        memory="results/memory/{cluster}.json",
-        noise="results/noise/{cluster}.json",
+        memory=layout.memory("{cluster}"),
+        noise=layout.noise("{cluster}"),
         code=code(
             "batch.curve",
             "batch.grid",
@@ -118,7 +118,7 @@ rule summarize_batch:
             "lr.grid",
         ),
     output:
-        json="results/batch/{cluster}.json",
+        json=layout.batch("{cluster}"),
     log:
         "logs/batch/{cluster}.log",
     params:

@@ -3,7 +3,7 @@ import json
 import sys
 from pathlib import Path
 
-from imgclf import artifacts, provenance, report_tables
+from imgclf import artifacts, layout, provenance, report_tables
 from imgclf.lr import grid as lr_grid
 from imgclf.lr import validation as lr_validation
 
@@ -86,7 +86,7 @@ def hydration_verdict(wildcards):
     """The check's verdict hand-off, as `ancient`: a rerun of the check that rewrites it does
     not by itself mark the loader benchmark (and all after it) for a rerun. Its content is
     compared through `census` (see verdict_census) once the checkpoint has run."""
-    return ancient(f"results/hydration/{wildcards.cluster}.verdict.json")
+    return ancient(layout.verdict(wildcards.cluster))
 
 
 def train_index(wildcards):
@@ -108,7 +108,7 @@ def verdict_census(wildcards):
 
 def report_landing_page(cluster):
     """The report's landing page: the entry's, once a run made it, else one that says how."""
-    made = Path(f"results/report/{cluster}/landing.rst")
+    made = Path(layout.landing(cluster))
     return str(made.resolve()) if made.is_file() else "../report/workflow.rst"
 
 
@@ -123,47 +123,44 @@ def figures_through_training(cluster):
     it."""
     validation = config["train"]["lr_source"] == "validation"
     return [
-        f"results/hydration/{cluster}.png",
-        f"results/loader/{cluster}.png",
-        f"results/memory/{cluster}.png",
-        f"results/lr/{cluster}.png",
-        f"results/noise/{cluster}.png",
-        *([f"results/lr/{cluster}_validation.png"] if validation else []),
-        f"results/train/{cluster}/curves.png",
+        layout.hydration_figure(cluster),
+        layout.loader_figure(cluster),
+        layout.memory_figure(cluster),
+        layout.lr_figure(cluster),
+        layout.noise_figure(cluster),
+        *([layout.lr_validation_figure(cluster)] if validation else []),
+        layout.train_curves(cluster),
     ]
 
 
 def all_targets(cluster):
     batch = (
-        [f"results/batch/{cluster}.json", f"results/batch/{cluster}.png"]
+        [layout.batch(cluster), layout.batch_figure(cluster)]
         if config["batch_curve"]["measure"]
         else []
     )
     return [
         *batch,
-        f"results/hydration/{cluster}.json",
-        f"results/loader/{cluster}.json",
-        f"results/memory/{cluster}.json",
-        f"results/lr/{cluster}_summary.json",
-        f"results/noise/{cluster}.json",
-        f"results/forecast/{cluster}.json",
-        f"results/eval/{cluster}.json",
+        layout.hydration(cluster),
+        layout.loader(cluster),
+        layout.memory(cluster),
+        layout.lr_summary(cluster),
+        layout.noise(cluster),
+        layout.forecast(cluster),
+        layout.evaluation(cluster),
         *figures_through_training(cluster),
-        f"results/eval/{cluster}_confusion.png",
-        f"results/export/{cluster}",
-        *(
-            f"results/predict/{cluster}/{name}.csv"
-            for name in config["predict"]["sets"]
-        ),
-        *(f"results/report/{cluster}/{table}.html" for table in report_tables.TABLES),
-        f"results/report/{cluster}/landing.rst",
+        layout.confusion(cluster),
+        layout.export_dir(cluster),
+        *(layout.predictions(cluster, name) for name in config["predict"]["sets"]),
+        *(layout.report_table(cluster, table) for table in report_tables.TABLES),
+        layout.landing(cluster),
     ]
 
 
 def train_targets(cluster):
     return [
-        f"results/forecast/{cluster}.json",
-        f"results/train/{cluster}/best.ckpt",
+        layout.forecast(cluster),
+        layout.best_checkpoint(cluster),
         *figures_through_training(cluster),
     ]
 
@@ -187,21 +184,19 @@ def lr_validation_runs(cluster, steps=None):
         ),
     )
     return [
-        f"results/lr/{cluster}/validate/x{lr_grid.multiple_name(m)}/train_summary.json"
+        layout.run_summary(layout.validate_dir(cluster, lr_grid.multiple_name(m)))
         for m in multiples
     ]
 
 
 def lr_runs(cluster):
-    return [
-        f"results/lr/{cluster}/run{i}.json" for i in range(config["lr_finder"]["runs"])
-    ]
+    return [layout.lr_run(cluster, i) for i in range(config["lr_finder"]["runs"])]
 
 
 def batch_files(cluster, name):
     """File `name` of each batch-curve run (`batch_curve.multiples`, 1 among them)."""
     return [
-        f"results/batch/{cluster}/x{lr_grid.multiple_name(m)}/{name}"
+        f"{layout.batch_dir(cluster, lr_grid.multiple_name(m))}/{name}"
         for m in lr_grid.grid(config["batch_curve"]["multiples"])
     ]
 
@@ -211,7 +206,7 @@ def batch_target(wildcards):
     if float(wildcards.multiple) == 1.0:
         return []
     return [
-        f"results/batch/{wildcards.cluster}/x1/{name}"
+        f"{layout.batch_dir(wildcards.cluster, '1')}/{name}"
         for name in ("train_summary.json", "metrics.csv")
     ]
 
@@ -220,4 +215,4 @@ def batch_curve_input(wildcards):
     """The measured batch curve, for the forecast's advice, with `batch_curve.measure`."""
     if not config["batch_curve"]["measure"]:
         return []
-    return [f"results/batch/{wildcards.cluster}.json"]
+    return [layout.batch(wildcards.cluster)]

@@ -10,14 +10,14 @@ rule export_model:
     and model.json (classes, preprocessing, validation figures, the training it came
     from)."""
     input:
-        ckpt="results/train/{cluster}/best.ckpt",
-        summary="results/train/{cluster}/train_summary.json",
-        evaluation="results/eval/{cluster}.json",
-        memory="results/memory/{cluster}.json",
+        ckpt=layout.best_checkpoint("{cluster}"),
+        summary=layout.train_summary("{cluster}"),
+        evaluation=layout.evaluation("{cluster}"),
+        memory=layout.memory("{cluster}"),
         index=val_index,
         code=code("export", *READS_IMAGES, "evaluate", "devices", "model_folder"),
     output:
-        directory("results/export/{cluster}"),
+        directory(layout.export_dir("{cluster}")),
     log:
         "logs/export/{cluster}.log",
     benchmark:
@@ -36,11 +36,11 @@ rule predict:
     from the export folder alone, one CSV row per file (its error where it is no image).
     """
     input:
-        model="results/export/{cluster}",
+        model=layout.export_dir("{cluster}"),
         code=code("predict", "predict_files", *DATA_PIPELINE, "decoding", "images", "devices",
                   "model_folder"),
     output:
-        "results/predict/{cluster}/{name}.csv",
+        layout.predictions("{cluster}", "{name}"),
     log:
         "logs/predict/{cluster}_{name}.log",
     benchmark:

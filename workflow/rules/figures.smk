@@ -10,11 +10,11 @@ rule plot_hydration:
     """Usable images per split with what was excluded, the HSM state, the read speed against
     its limits."""
     input:
-        report="results/hydration/{cluster}.json",
+        report=layout.hydration("{cluster}"),
         code=code("figures.hydration", "figures.common"),
     output:
         report(
-            "results/hydration/{cluster}.png",
+            layout.hydration_figure("{cluster}"),
             caption="../report/hydration.rst",
             category="1. Hydration",
         ),
@@ -28,11 +28,11 @@ rule plot_hydration:
 rule plot_loader:
     """Images/s per loader configuration (chosen and baseline marked), RAM against the budget."""
     input:
-        report="results/loader/{cluster}.json",
+        report=layout.loader("{cluster}"),
         code=code("figures.loader", "figures.common"),
     output:
         report(
-            "results/loader/{cluster}.png",
+            layout.loader_figure("{cluster}"),
             caption="../report/loader.rst",
             category="2. Loader",
         ),
@@ -46,11 +46,11 @@ rule plot_loader:
 rule plot_memory:
     """The budget at the solved batch, stacked by component, against capacity and margin."""
     input:
-        report="results/memory/{cluster}.json",
+        report=layout.memory("{cluster}"),
         code=code("figures.memory", "figures.common"),
     output:
         report(
-            "results/memory/{cluster}.png",
+            layout.memory_figure("{cluster}"),
             caption="../report/memory.rst",
             category="3. Memory",
         ),
@@ -66,11 +66,11 @@ rule plot_lr:
     suggestion, and the chosen LR (from the summary)."""
     input:
         runs=lambda wc: lr_runs(wc.cluster),
-        summary="results/lr/{cluster}_summary.json",
+        summary=layout.lr_summary("{cluster}"),
         code=code("figures.lr", "figures.common"),
     output:
         report(
-            "results/lr/{cluster}.png",
+            layout.lr_figure("{cluster}"),
             caption="../report/lr.rst",
             category="4. Learning rate and batch size",
         ),
@@ -85,11 +85,11 @@ rule plot_noise:
     """The running B_simple with its bootstrap band; the paper's time and cost against the
     global batch."""
     input:
-        report="results/noise/{cluster}.json",
+        report=layout.noise("{cluster}"),
         code=code("figures.noise", "figures.common", "gradient_noise"),
     output:
         report(
-            "results/noise/{cluster}.png",
+            layout.noise_figure("{cluster}"),
             caption="../report/noise_scale.rst",
             category="4. Learning rate and batch size",
         ),
@@ -103,11 +103,11 @@ rule plot_noise:
 rule plot_lr_validation:
     """Final validation loss and top-1 of each short training against its LR."""
     input:
-        report="results/lr/{cluster}_validation.json",
+        report=layout.lr_validation("{cluster}"),
         code=code("figures.lr_validation", "figures.common"),
     output:
         report(
-            "results/lr/{cluster}_validation.png",
+            layout.lr_validation_figure("{cluster}"),
             caption="../report/lr_validation.rst",
             category="4. Learning rate",
         ),
@@ -122,11 +122,11 @@ rule plot_batch:
     """Steps to the target against the global batch: the runs, the fit, the noise scale's
     model, the plan and the largest batch that pays."""
     input:
-        report="results/batch/{cluster}.json",
+        report=layout.batch("{cluster}"),
         code=code("figures.batch", "figures.common"),
     output:
         report(
-            "results/batch/{cluster}.png",
+            layout.batch_figure("{cluster}"),
             caption="../report/batch.rst",
             category="4. Learning rate and batch size",
         ),
@@ -141,12 +141,12 @@ rule plot_training:
     """Loss, top-1, LR and the gradient noise scale against the epoch, from the training's
     metrics.csv: a change of the curves never retrains."""
     input:
-        metrics="results/train/{cluster}/metrics.csv",
-        summary="results/train/{cluster}/train_summary.json",
+        metrics=layout.train_metrics("{cluster}"),
+        summary=layout.train_summary("{cluster}"),
         code=code("figures.training", "figures.common", "artifacts", "hardware"),
     output:
         report(
-            "results/train/{cluster}/curves.png",
+            layout.train_curves("{cluster}"),
             caption="../report/train.rst",
             category="5. Training",
         ),
@@ -161,11 +161,11 @@ rule plot_evaluation:
     """The confusion matrix from the evaluation's report (up to
     `evaluate.max_confusion_classes` classes), beyond that the most confused pairs."""
     input:
-        report="results/eval/{cluster}.json",
+        report=layout.evaluation("{cluster}"),
         code=code("figures.evaluation", "figures.common"),
     output:
         report(
-            "results/eval/{cluster}_confusion.png",
+            layout.confusion("{cluster}"),
             caption="../report/evaluate.rst",
             category="6. Evaluation",
         ),

@@ -7,12 +7,12 @@ rule forecast:
     machine's CPUs); and what the stages before training took against it."""
     input:
         runs=lambda wc: lr_runs(wc.cluster),
-        lr="results/lr/{cluster}_summary.json",
+        lr=layout.lr_summary("{cluster}"),
         # read for its job's time only: a rerun check does not by itself rerun the forecast
-        hydration=lambda wc: ancient(f"results/hydration/{wc.cluster}.json"),
-        loader="results/loader/{cluster}.json",
-        memory="results/memory/{cluster}.json",
-        noise="results/noise/{cluster}.json",
+        hydration=lambda wc: ancient(layout.hydration(wc.cluster)),
+        loader=layout.loader("{cluster}"),
+        memory=layout.memory("{cluster}"),
+        noise=layout.noise("{cluster}"),
         # with `batch_curve.measure`: the measured curve prices other device counts
         batch=batch_curve_input,
         train_index=train_index,
@@ -27,7 +27,7 @@ rule forecast:
             "recipes",
         ),
     output:
-        "results/forecast/{cluster}.json",
+        layout.forecast("{cluster}"),
     log:
         "logs/forecast/{cluster}.log",
     threads: forecast_cpus

@@ -13,14 +13,14 @@ checkpoint check_hydration:
         code=code("hydration", "census", "index", "decoding", "images", "hardware"),
     output:
         report=report(
-            "results/hydration/{cluster}.json",
+            layout.hydration("{cluster}"),
             caption="../report/hydration.rst",
             category="1. Hydration",
         ),
-        verdict="results/hydration/{cluster}.verdict.json",
-        excluded="results/hydration/{cluster}.excluded.txt",
-        train_index="results/hydration/{cluster}.train.tsv",
-        val_index="results/hydration/{cluster}.val.tsv",
+        verdict=layout.verdict("{cluster}"),
+        excluded=layout.excluded("{cluster}"),
+        train_index=layout.split_index("{cluster}", "train"),
+        val_index=layout.split_index("{cluster}", "val"),
     log:
         "logs/hydration/{cluster}.log",
     threads: node_cpus  # images are decoded on every CPU

@@ -9,12 +9,12 @@ rule benchmark_loader:
         code=code("loader_bench", *READS_IMAGES, "devices"),
     output:
         json=report(
-            "results/loader/{cluster}.json",
+            layout.loader("{cluster}"),
             caption="../report/loader.rst",
             category="2. Loader",
         ),
         csv=report(
-            "results/loader/{cluster}.csv",
+            layout.loader_table("{cluster}"),
             caption="../report/loader.rst",
             category="2. Loader",
         ),

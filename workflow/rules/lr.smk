@@ -3,13 +3,13 @@
 rule lr_find:
     """One LR range test on one device at the per-device batch of the cluster (seed = seed + run)."""
     input:
-        memory="results/memory/{cluster}.json",
+        memory=layout.memory("{cluster}"),
         index=train_index,
         code=code(
             "lr.find", *READS_IMAGES, "one_device", "devices", *STARTS_FROM_WEIGHTS
         ),
     output:
-        "results/lr/{cluster}/run{run}.json",
+        layout.lr_run("{cluster}", "{run}"),
     log:
         "logs/lr/{cluster}/run{run}.log",
     benchmark:
@@ -27,10 +27,10 @@ rule summarize_lr:
     """The chosen LR (log-median of the runs), its spread, and the LR scaled to the global batch."""
     input:
         runs=lambda wc: lr_runs(wc.cluster),
-        memory="results/memory/{cluster}.json",
+        memory=layout.memory("{cluster}"),
         code=code("lr.summary", "lr.scaling", "recipes", "artifacts", "hardware"),
     output:
-        summary="results/lr/{cluster}_summary.json",
+        summary=layout.lr_summary("{cluster}"),
     log:
         "logs/lr/{cluster}_summary.log",
     params:

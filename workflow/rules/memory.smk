@@ -4,11 +4,11 @@ rule solve_memory:
     """Largest per-device batch under the safety margin, accumulation to the recipe's global
     batch, loader workers/prefetch within the host RAM budget."""
     input:
-        loader="results/loader/{cluster}.json",
+        loader=layout.loader("{cluster}"),
         code=code("memory", *DATA_PIPELINE, "devices", *STARTS_FROM_WEIGHTS),
     output:
         json=report(
-            "results/memory/{cluster}.json",
+            layout.memory("{cluster}"),
             caption="../report/memory.rst",
             category="3. Memory",
         ),

@@ -5,8 +5,8 @@ rule noise_scale:
     per-device batch, accumulated), at the chosen LR, and what it says of the planned global
     batch; the forecast prices it."""
     input:
-        memory="results/memory/{cluster}.json",
-        lr="results/lr/{cluster}_summary.json",
+        memory=layout.memory("{cluster}"),
+        lr=layout.lr_summary("{cluster}"),
         index=train_index,
         code=code(
             "noise_scale",
@@ -19,7 +19,7 @@ rule noise_scale:
             *STARTS_FROM_WEIGHTS,
         ),
     output:
-        json="results/noise/{cluster}.json",
+        json=layout.noise("{cluster}"),
     log:
         "logs/noise/{cluster}.log",
     benchmark:

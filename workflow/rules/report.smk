@@ -9,7 +9,7 @@ rule report_table:
         code=code("report_tables", "artifacts", "hardware"),
     output:
         report(
-            "results/report/{cluster}/{table}.html",
+            layout.report_table("{cluster}", "{table}"),
             caption="../report/tables.rst",
             category="7. Key tables",
         ),
@@ -32,12 +32,12 @@ rule report_landing:
     finder's figure, the training's time against its forecast, where the model is (the lines
     a run prints at its end, from the same artifacts)."""
     input:
-        eval="results/eval/{cluster}.json",
-        train="results/train/{cluster}/train_summary.json",
-        figure="results/lr/{cluster}.png",
+        eval=layout.evaluation("{cluster}"),
+        train=layout.train_summary("{cluster}"),
+        figure=layout.lr_figure("{cluster}"),
         code=code("headline"),
     output:
-        "results/report/{cluster}/landing.rst",
+        layout.landing("{cluster}"),
     log:
         "logs/report/{cluster}_landing.log",
     # a few JSON fields into a page, in a second: not worth a queued Slurm job

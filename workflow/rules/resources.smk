@@ -155,5 +155,5 @@ def short_run_pace(wildcards):
     """
     return {
         "runs": [ancient(path) for path in lr_runs(wildcards.cluster)],
-        "loader": ancient(f"results/loader/{wildcards.cluster}.json"),
+        "loader": ancient(layout.loader(wildcards.cluster)),
     }

@@ -11,7 +11,7 @@ rule train_settings:
         train_index=train_index,
         val_index=val_index,
     output:
-        "results/train/{cluster}.settings.json",
+        layout.train_settings("{cluster}"),
     log:
         "logs/train/{cluster}_settings.log",
     localrule: True
@@ -29,18 +29,18 @@ rule train_model:
     results/train/{cluster}/checkpoints/, deliberately not an output, so a failed or killed
     job keeps them and the next run resumes from last.ckpt."""
     input:
-        memory="results/memory/{cluster}.json",
+        memory=layout.memory("{cluster}"),
         lr=lr_summary_input,
-        settings="results/train/{cluster}.settings.json",
+        settings=layout.train_settings("{cluster}"),
         # `ancient`: a new price or a rerun forecast changes the bill, not the training
-        forecast=ancient("results/forecast/{cluster}.json"),
+        forecast=ancient(layout.forecast("{cluster}")),
         train_index=train_index,
         val_index=val_index,
         code=code(*TRAINS),
     output:
-        best="results/train/{cluster}/best.ckpt",
-        metrics="results/train/{cluster}/metrics.csv",
-        summary="results/train/{cluster}/train_summary.json",
+        best=layout.best_checkpoint("{cluster}"),
+        metrics=layout.train_metrics("{cluster}"),
+        summary=layout.train_summary("{cluster}"),
     log:
         "logs/train/{cluster}.log",
     benchmark:
@@ -57,18 +57,18 @@ rule train_model:
     shell:
         "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
         " --memory {input.memory} {params.lr} --forecast {input.forecast}"
-        " --out-dir results/train/{wildcards.cluster} --log {log}"
+        f" --out-dir {layout.train_dir('{wildcards.cluster}')} --log {{log}}"
 
 
 rule evaluate:
     """Top-1/top-5, loss, per-class accuracy and a confusion matrix of the best checkpoint."""
     input:
-        ckpt="results/train/{cluster}/best.ckpt",
-        memory="results/memory/{cluster}.json",
+        ckpt=layout.best_checkpoint("{cluster}"),
+        memory=layout.memory("{cluster}"),
         index=val_index,
         code=code("evaluate", *READS_IMAGES, "devices"),
     output:
-        json="results/eval/{cluster}.json",
+        json=layout.evaluation("{cluster}"),
     log:
         "logs/eval/{cluster}.log",
     threads: rank_cpus

@@ -16,13 +16,13 @@ rule validate_lr_shape:
     """
     input:
         unpack(short_run_pace),
-        memory="results/memory/{cluster}.json",
-        lr="results/lr/{cluster}_summary.json",
+        memory=layout.memory("{cluster}"),
+        lr=layout.lr_summary("{cluster}"),
         train_index=train_index,
         val_index=val_index,
         code=code("lr.shape", "lr.grid", *SHAPES_RUN),
     output:
-        "results/lr/{cluster}/validate/x{multiple}/run.json",
+        layout.run_shape(layout.validate_dir("{cluster}", "{multiple}")),
     log:
         "logs/lr/{cluster}/validate_x{multiple}_shape.log",
     localrule: True
@@ -38,14 +38,14 @@ rule validate_lr_run:
     results/lr/{cluster}/validate/x{multiple}/checkpoints/, not an output, so a killed run
     resumes."""
     input:
-        memory="results/memory/{cluster}.json",
-        run="results/lr/{cluster}/validate/x{multiple}/run.json",
+        memory=layout.memory("{cluster}"),
+        run=layout.run_shape(layout.validate_dir("{cluster}", "{multiple}")),
         train_index=train_index,
         val_index=val_index,
         code=code(*TRAINS),
     output:
-        summary="results/lr/{cluster}/validate/x{multiple}/train_summary.json",
-        metrics="results/lr/{cluster}/validate/x{multiple}/metrics.csv",
+        summary=layout.run_summary(layout.validate_dir("{cluster}", "{multiple}")),
+        metrics=layout.run_metrics(layout.validate_dir("{cluster}", "{multiple}")),
     log:
         "logs/lr/{cluster}/validate_x{multiple}.log",
     benchmark:
@@ -62,7 +62,7 @@ rule validate_lr_run:
     shell:
         "{resources.launch} {params.imgclf:q} train --params-json {params.p:q}"
         " --memory {input.memory} --run {input.run}"
-        " --out-dir results/lr/{wildcards.cluster}/validate/x{wildcards.multiple} --log {log}"
+        f" --out-dir {layout.validate_dir('{wildcards.cluster}', '{wildcards.multiple}')} --log {{log}}"
 
 
 checkpoint validate_lr_edge:
@@ -75,7 +75,7 @@ checkpoint validate_lr_edge:
         runs=lambda wc: lr_validation_runs(wc.cluster, int(wc.step)),
         code=code("lr.validation", "lr.grid", "artifacts", "hardware"),
     output:
-        "results/lr/{cluster}/validate/edge{step}.json",
+        layout.validate_edge("{cluster}", "{step}"),
     log:
         "logs/lr/{cluster}/validate_edge{step}.log",
     localrule: True
@@ -90,7 +90,7 @@ rule validate_lr_extend_steps:
     whose output exists for a checkpoint it waits on that has not run (snakemake#4124), nor
     look at the job's own reasons (its params) while it waits."""
     output:
-        "results/lr/{cluster}/validate/extend_steps.json",
+        layout.validate_extend_steps("{cluster}"),
     log:
         "logs/lr/{cluster}/validate_extend_steps.log",
     localrule: True
@@ -107,11 +107,11 @@ rule summarize_lr_validation:
     verdict (ok, or warn with the LR the grid prefers)."""
     input:
         runs=lambda wc: lr_validation_runs(wc.cluster),
-        steps="results/lr/{cluster}/validate/extend_steps.json",
-        lr="results/lr/{cluster}_summary.json",
+        steps=layout.validate_extend_steps("{cluster}"),
+        lr=layout.lr_summary("{cluster}"),
         code=code("lr.validation", "lr.grid", "artifacts", "hardware"),
     output:
-        json="results/lr/{cluster}_validation.json",
+        json=layout.lr_validation("{cluster}"),
     log:
         "logs/lr/{cluster}_validation.log",
     params:

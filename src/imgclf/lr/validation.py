@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 
-from imgclf import artifacts
+from imgclf import artifacts, layout
 from imgclf.lr.grid import grid, multiple_name
 from imgclf.errors import UserError
 from imgclf.provenance import write_artifact
@@ -51,7 +51,7 @@ def verdict(runs: list[dict], tolerance: float) -> dict:
     chosen = next((r for r in runs if r["multiple"] == 1.0), None)
     if chosen is None:
         raise UserError("The LR validation runs lack multiple 1 (the chosen LR): rerun the "
-                        "stage (`snakemake results/lr/CLUSTER_validation.json`).")
+                        f"stage (`snakemake {layout.lr_validation('CLUSTER')}`).")
     position = ranked.index(chosen) + 1
     out = {"best": best, "chosen": chosen, "chosen_rank": position, "of": len(runs),
            "tolerance": tolerance}
