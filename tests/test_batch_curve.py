@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from conftest import LR_YAML, built_from, one_sentence, planned, snakemake
-from imgclf import forecast as forecasting, noise_scale, settings
+from imgclf import noise_scale, settings
+from imgclf.forecast import report as forecast_report
 from imgclf.batch import curve as batch_curve
 from imgclf.batch import grid as batch_grid
 from imgclf.artifacts import Plan, RunShape
@@ -290,9 +291,9 @@ def test_the_measured_curve_gives_time_and_cost_of_other_device_counts():
     assert "twice the devices would take about 0.90x the time at 1.80x the cost" \
         in adv["sentence"]
     assert {o["devices"] for o in adv["options"]} == {4, 16, 2} and adv["best_devices"] == 2
-    priced = forecasting.with_forecast(adv, {"forecast_for_entry": True, "total_s": 7200,
-                                             "device_hours": 16.0, "price_per_hour": 32.0,
-                                             "world_size": 8, "nodes": 1})
+    priced = forecast_report.with_forecast(adv, {"forecast_for_entry": True, "total_s": 7200,
+                                                 "device_hours": 16.0, "price_per_hour": 32.0,
+                                                 "world_size": 8, "nodes": 1})
     p16 = next(o for o in priced["options"] if o["devices"] == 16)
     assert p16["hours"] == pytest.approx(1.8) and p16["device_hours"] == pytest.approx(28.8)
     assert p16["cost_money"] == pytest.approx(28.8 * 4.0)

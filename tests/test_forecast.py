@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from imgclf import budget, forecast, hardware, report_tables
+from imgclf import budget, hardware, report_tables
+from imgclf.forecast import cpu_ranks, report as forecast_report, timing
 from imgclf.errors import UserError
 from imgclf.artifacts import Plan
 from imgclf.train import summary as after
@@ -26,7 +27,7 @@ def plan(workers: int, batch: int = 64, devices: int = 4, nodes: int = 1) -> Pla
 
 
 def bill(p: Plan, compute_s: float, loader_rate: float, hw=G5, efficiency=1.0, **kw) -> dict:
-    return forecast.plan_forecast(
+    return timing.plan_forecast(
         timing={"compute_s": compute_s, "eval_s": compute_s / 3}, loader_rate=loader_rate,
         plan=p, hw=hw, efficiency={"value": efficiency}, train_images=kw.get("train", 25600),
         val_images=kw.get("val", 2560), epochs=kw.get("epochs", 10),
@@ -67,13 +68,13 @@ def test_cost_only_from_a_price_the_user_gave():
     hours = f["total_s"] / 3600
     assert f["cost"] == pytest.approx(round(2 * hours * 16.29, 2))  # per node-hour, 2 nodes
     assert f["device_hours"] == pytest.approx(8 * hours, abs=0.001)
-    assert f"about {f['cost']:.2f} at 16.29/h" in forecast.sentence(f)
+    assert f"about {f['cost']:.2f} at 16.29/h" in forecast_report.sentence(f)
 
 
 def base_fields(f: dict) -> dict:
-    """What forecast.run adds to plan_forecast's figures (its sentence among them)."""
+    """What forecast.report.run adds to plan_forecast's figures (its sentence among them)."""
     return {"forecast_for_entry": True, "per_device_batch": 64, "world_size": 4, "cluster": "g5",
-            "sentence": forecast.sentence(f),
+            "sentence": forecast_report.sentence(f),
             "scaling_efficiency": {"value": 1.0, "source": "one device"},
             "step_timing": {"compute_s": 0.1, "eval_s": 0.03, "source": "the LR runs"},
             "excludes": "start-up", "loader_note": None}
@@ -92,44 +93,44 @@ def test_batches_per_epoch_follow_the_sampler_and_the_limits():
 def lr_run(device="cuda:0", name="NVIDIA A10G", steps=30, wait=0.01, step=0.11, accum=1):
     return {"run": 0, "device": device, "batch_size": 64, "accumulation_steps": accum,
             "first_nonfinite_iteration": None,
-            "timing": {"step_seconds": [1.0] * forecast.WARMUP_STEPS + [step] * steps,
-                       "data_wait_seconds": [0.5] * forecast.WARMUP_STEPS + [wait] * steps,
+            "timing": {"step_seconds": [1.0] * timing.WARMUP_STEPS + [step] * steps,
+                       "data_wait_seconds": [0.5] * timing.WARMUP_STEPS + [wait] * steps,
                        "eval_seconds": [0.04] * 5, "device_name": name}}
 
 
 def test_one_device_time_is_the_lr_runs_steps_less_their_loader_wait():
-    t = forecast.lr_run_timing([lr_run(), lr_run(step=0.13, accum=2)])
+    t = timing.lr_run_timing([lr_run(), lr_run(step=0.13, accum=2)])
     # the warm-up steps are left out; an accumulated step is two batches
     assert t["compute_s"] == pytest.approx((0.1 + 0.06) / 2) and t["eval_s"] == 0.04
     with pytest.raises(UserError, match="raise `lr_finder.num_iter`"):
-        forecast.lr_run_timing([lr_run(steps=0)])
+        timing.lr_run_timing([lr_run(steps=0)])
     old = lr_run()
     del old["timing"]
     with pytest.raises(UserError, match="--forcerun lr_find"):
-        forecast.lr_run_timing([old])
+        timing.lr_run_timing([old])
 
 
 def test_lr_runs_on_another_device_are_no_forecast_for_the_entry():
-    assert forecast.not_on_entry_device([lr_run()], G5) is None
-    why = forecast.not_on_entry_device([lr_run(device="cpu", name="cpu (AMD EPYC)")], G5)
+    assert timing.not_on_entry_device([lr_run()], G5) is None
+    why = timing.not_on_entry_device([lr_run(device="cpu", name="cpu (AMD EPYC)")], G5)
     assert why == "the LR runs ran on cpu (AMD EPYC), not on a A10G of entry 'g5'"
-    why = forecast.not_on_entry_device([lr_run(name="NVIDIA H100 80GB HBM3")], G5)
+    why = timing.not_on_entry_device([lr_run(name="NVIDIA H100 80GB HBM3")], G5)
     assert "NVIDIA H100 80GB HBM3, not on entry 'g5''s A10G" in why
     p4 = {**G5, "name": "p4", "gpu_model": "A100"}
-    assert forecast.not_on_entry_device([lr_run(name="NVIDIA A100-SXM4-40GB")], p4) is None
+    assert timing.not_on_entry_device([lr_run(name="NVIDIA A100-SXM4-40GB")], p4) is None
 
 
 def test_the_scaling_efficiency_says_where_it_comes_from():
-    assumed = forecast.efficiency_of(G5, plan(8), None)
-    assert assumed["value"] == forecast.DEFAULT_SCALING_EFFICIENCY
+    assumed = timing.efficiency_of(G5, plan(8), None)
+    assert assumed["value"] == timing.DEFAULT_SCALING_EFFICIENCY
     assert "assumed" in assumed["source"] and "clusters.g5.scaling_efficiency" in assumed["source"]
-    assert forecast.efficiency_of({**G5, "scaling_efficiency": 0.7}, plan(8), None) == {
+    assert timing.efficiency_of({**G5, "scaling_efficiency": 0.7}, plan(8), None) == {
         "value": 0.7, "source": "set by `clusters.g5.scaling_efficiency`"}
-    assert forecast.efficiency_of(G5, plan(8, devices=1), None)["value"] == 1.0
+    assert timing.efficiency_of(G5, plan(8, devices=1), None)["value"] == 1.0
     measured = {"efficiency": 0.9}
-    assert forecast.efficiency_of(G5, plan(8), measured)["source"] == "measured here"
-    across = forecast.efficiency_of(G5, plan(8, nodes=2), measured)
-    assert across["value"] == pytest.approx(0.9 * forecast.DEFAULT_SCALING_EFFICIENCY)
+    assert timing.efficiency_of(G5, plan(8), measured)["source"] == "measured here"
+    across = timing.efficiency_of(G5, plan(8, nodes=2), measured)
+    assert across["value"] == pytest.approx(0.9 * timing.DEFAULT_SCALING_EFFICIENCY)
 
 
 # The measurement as the forecast stage makes it, in a process of its own: its ranks are forked,
@@ -138,14 +139,14 @@ def test_the_scaling_efficiency_says_where_it_comes_from():
 # before this test in the same pytest process).
 MEASURE_CPU_RANKS = """
 import json
-from imgclf import forecast
+from imgclf.forecast import cpu_ranks
 from imgclf.artifacts import Plan
 plan = Plan(path="m.json", cluster="g5", per_device_batch=8, accumulate_grad_batches=1,
             devices_per_node=2, nodes=1, num_workers=0, prefetch_factor=2, decoder="pil")
-print(json.dumps(forecast.measure_cpu_ranks({"arch": "resnet18", "recipe": "demo",
-                                             "resolution": 16, "precision": "32",
-                                             "channels_last": False}, plan, classes=10,
-                                            size={"units": 5})))
+print(json.dumps(cpu_ranks.measure_cpu_ranks({"arch": "resnet18", "recipe": "demo",
+                                              "resolution": 16, "precision": "32",
+                                              "channels_last": False}, plan, classes=10,
+                                             size={"units": 5})))
 """
 
 
@@ -167,13 +168,13 @@ def test_cpu_ranks_are_forecast_at_their_side_by_side_step(tmp_path, monkeypatch
     in 1.6 s each, so the efficiency is 1.0 / 1.6 = 0.625, applied once to the step alone: a
     step of the training takes 1.6 s (2 ranks x 64 images / 1.6 s = 80 img/s), not 2.56 s."""
     measured = {"step_s_alone": 1.0, "step_s_together": 1.6, "eval_s_together": 0.5}
-    monkeypatch.setattr(forecast, "_run_ranks", lambda world, spec: {
+    monkeypatch.setattr(cpu_ranks, "_run_ranks", lambda world, spec: {
         "step_s": measured["step_s_alone" if world == 1 else "step_s_together"],
         "eval_s": measured["eval_s_together"]})
     cpu = {**G5, "name": "local", "gpus_per_node": 0, "accelerator": "cpu", "devices_per_node": 2}
     runs = [lr_run(device="cpu", name="cpu (this machine)")]
-    f = forecast.make(runs, {"choice": {"images_per_s": 1e6}}, plan(4, devices=2), cpu, MODEL,
-                      TRAIN, *indexes(tmp_path), 0.02)
+    f = forecast_report.make(runs, {"choice": {"images_per_s": 1e6}}, plan(4, devices=2), cpu,
+                             MODEL, TRAIN, *indexes(tmp_path), 0.02)
     assert f["scaling_efficiency"]["value"] == pytest.approx(0.625)
     assert f["compute_bound_images_per_s"] == pytest.approx(2 * 64 / 1.6, abs=0.1)
     assert f["epoch_train_s"] == pytest.approx(10 * 1.6, abs=0.01)  # 1,280 / 2 / 64 batches
@@ -191,13 +192,13 @@ def test_the_stages_before_training_are_stated_against_it(tmp_path):
 
     stages = {"loader benchmark": [artifact("loader", 20.0)],
               "LR runs": [artifact("run0", 30.0), artifact("run1", 31.0)]}
-    b = forecast.stages_before_training(stages, 9.0, training_s=900.0)
+    b = forecast_report.stages_before_training(stages, 9.0, training_s=900.0)
     assert b["job_seconds"] == {"loader benchmark": 20.0, "LR runs": 61.0, "forecast": 9.0}
     assert b["total_s"] == 90.0 and b["share_of_training"] == pytest.approx(0.1)
     assert b["sentence"] == ("The stages before training took 0:01:30 of job time, 10.0% of "
                              "the forecast training time")
-    old = forecast.stages_before_training({**stages, "memory solve": [artifact("m", None)]},
-                                          9.0, training_s=None)
+    old = forecast_report.stages_before_training(
+        {**stages, "memory solve": [artifact("m", None)]}, 9.0, training_s=None)
     assert old["unrecorded"] == ["memory solve"] and old["share_of_training"] is None
     assert old["sentence"].endswith("(without memory solve: written by an older version, "
                                     "untimed)")
@@ -235,11 +236,11 @@ def test_which_bound_held_in_training(workers, wait, bound):
 def test_the_forecast_says_how_the_timed_steps_differ_from_training(tmp_path):
     """The LR runs time their steps with training's cuDNN autotuning but never compiled: a
     training that compiles gets a forecast that says so, not one that pretends."""
-    eager = forecast.make([lr_run()], {"choice": {"images_per_s": 1e6}}, plan(4), G5, MODEL,
-                          TRAIN, *indexes(tmp_path), 0.02)
+    eager = forecast_report.make([lr_run()], {"choice": {"images_per_s": 1e6}}, plan(4), G5,
+                                 MODEL, TRAIN, *indexes(tmp_path), 0.02)
     assert eager["forecast_for_entry"] and "unlike_training" not in eager["step_timing"]
-    compiled = forecast.make([lr_run()], {"choice": {"images_per_s": 1e6}}, plan(4), G5, MODEL,
-                             {**TRAIN, "compile": True}, *indexes(tmp_path), 0.02)
+    compiled = forecast_report.make([lr_run()], {"choice": {"images_per_s": 1e6}}, plan(4), G5,
+                                    MODEL, {**TRAIN, "compile": True}, *indexes(tmp_path), 0.02)
     assert "`train.compile`" in compiled["step_timing"]["unlike_training"]
 
 
@@ -273,7 +274,7 @@ def test_a_short_runs_time_is_its_budget_at_the_lr_runs_pace():
     step, val = 0.1 / 0.85, 0.04
 
     def seconds(batch, micro, passes):
-        return forecast.run_seconds(runs, loader, p, G5, batch=batch, micro_batches=micro,
+        return timing.run_seconds(runs, loader, p, G5, batch=batch, micro_batches=micro,
                                     validations=passes, val_images=128, limit_val=None)
 
     for steps in (20, 40):

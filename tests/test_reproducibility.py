@@ -187,7 +187,7 @@ CODE_CASES = {
                                    "batch/grid.py", "batch/shape.py", "batch/curve.py")},
     "evaluate.py": ("evaluate.py", (), EVAL),
     "export.py": ("export.py", (), EXPORT),
-    "forecast.py": ("forecast.py", (), FORECAST),
+    "forecast/timing.py": ("forecast/timing.py", (), FORECAST),
     "noise_scale.py": ("noise_scale.py", (), NOISE),
     "report_tables.py": ("report_tables.py", (), TABLES | {"all"}),
     "headline.py": ("headline.py", (), {"report_landing", "all"}),
@@ -510,7 +510,7 @@ def test_the_forecast_comes_before_training_and_beside_its_outcome(demo_run):
     """The forecast of the shared run: its CPU ranks measured, its line in the training log
     before the first step, the pace in each progress line, and forecast against actual in the
     training summary and the report's table."""
-    from imgclf import forecast
+    from imgclf.forecast import report as forecast_report
 
     f = json.loads((demo_run / "results/forecast/local.json").read_text())
     assert f["forecast_for_entry"] and f["epochs"] == REDUCED["train"]["epochs"]
@@ -518,7 +518,7 @@ def test_the_forecast_comes_before_training_and_beside_its_outcome(demo_run):
     assert f["scaling_efficiency"]["detail"]["ranks"] == f["world_size"] == 2
     log = (demo_run / "logs/train/local.log").read_text()
     first_step = log.index("imgclf.train INFO epoch 1/2")
-    assert log.index(f"Forecast: {forecast.sentence(f)}") < first_step
+    assert log.index(f"Forecast: {forecast_report.sentence(f)}") < first_step
     progress = re.findall(r"imgclf\.train INFO epoch \d/2, .*", log)
     assert progress and all(re.search(r", \d:\d\d:\d\d elapsed, \d:\d\d:\d\d left, \d+ % "
                                       r"(behind|ahead of) the forecast$", line)
@@ -532,7 +532,7 @@ def test_the_forecast_comes_before_training_and_beside_its_outcome(demo_run):
     assert against["actual"]["bound"] in ("compute", "input")
     assert "results/forecast/local.json" in s["provenance"]["inputs"]
     page = (demo_run / "results/report/local/forecast.html").read_text()
-    assert html.escape(forecast.sentence(f)) in page
+    assert html.escape(forecast_report.sentence(f)) in page
     # what the stages before it took, from their artifacts, against the training it forecast
     before = f["before_training"]
     assert list(before["job_seconds"]) == ["hydration check", "loader benchmark", "memory solve",

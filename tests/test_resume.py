@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from imgclf import forecast, sampling
+from imgclf import sampling
+from imgclf.forecast import cpu_ranks
 from imgclf.data import datasets, loaders
 from imgclf.slurm import requeue
 from imgclf.train import resume
@@ -104,7 +105,7 @@ def start_ranks(tmp_path: Path, *recipes: str) -> tuple[list[int], list[str]]:
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
            "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
            "SLURM_NNODES": "2", "SLURM_NODELIST": "localhost", "SLURM_LOCALID": "0",
-           "MASTER_PORT": str(forecast.free_port())}
+           "MASTER_PORT": str(cpu_ranks.free_port())}
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path), *recipes],
                               env={**env, "SLURM_PROCID": str(r), "SLURM_NODEID": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -24,7 +24,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import one_sentence
-from imgclf import forecast, hardware, settings
+from imgclf import hardware, settings
+from imgclf.forecast import cpu_ranks
 from imgclf.slurm import jobs as slurm_jobs
 from imgclf.slurm import plugin as slurm_plugin
 from imgclf.slurm import step as slurm_step
@@ -167,7 +168,7 @@ def test_ranks_end_at_the_requeues_sigterm_or_train_on_when_it_is_refused(tmp_pa
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
            "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
            "SLURM_NNODES": "2", "SLURM_NODELIST": "localhost", "SLURM_LOCALID": "0",
-           "MASTER_PORT": str(forecast.free_port()), "RANK_PIDS": str(tmp_path / "pids"), "SLURM_ANSWER": answer}
+           "MASTER_PORT": str(cpu_ranks.free_port()), "RANK_PIDS": str(tmp_path / "pids"), "SLURM_ANSWER": answer}
     ranks = [subprocess.Popen([sys.executable, "-c", REQUEUED_RANK, str(tmp_path)],
                               env={**env, "SLURM_PROCID": str(r), "SLURM_NODEID": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -19,7 +19,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from conftest import one_sentence, train_accuracy_columns
-from imgclf import forecast, recipes, settings
+from imgclf import recipes, settings
+from imgclf.forecast import cpu_ranks
 from imgclf.train import callbacks as train_callbacks
 from imgclf.train import failures as train_failures
 from imgclf.train import job as train_job
@@ -235,7 +236,7 @@ def test_ranks_srun_started_wait_for_their_peers_as_long_as_configured(monkeypat
     env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2",
            "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_NODELIST": "localhost",
            "SLURM_LOCALID": "0", "SLURM_PROCID": "1", "SLURM_NODEID": "1",
-           "MASTER_PORT": str(forecast.free_port())}
+           "MASTER_PORT": str(cpu_ranks.free_port())}
     res = subprocess.run([sys.executable, "-c", SRUN_RANK, "3"], env=env, capture_output=True,
                          text=True, timeout=600)
     seconds = res.stdout.split()[0]  # then the error's type

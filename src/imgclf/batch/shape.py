@@ -1,14 +1,15 @@
 """The shape of a batch-curve run (results/batch/{cluster}/x{m}/run.json): what the run at one
 multiple of the plan's global batch asks of training, in training's terms (artifacts.RunShape),
 from its record (imgclf.batch.grid: batch, budget, validations, warm-up, target) and its range
-test's LR, with the seconds its Slurm time request is sized from (forecast.run_seconds). A
+test's LR, with the seconds its Slurm time request is sized from (forecast.timing.run_seconds). A
 module of its own, so that the curve, which reads the grid, does not run the forecast's code."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from imgclf import forecast, index, recipes
+from imgclf import index, recipes
+from imgclf.forecast import timing
 from imgclf.artifacts import Plan, RunShape, loader_report, lr_runs
 from imgclf.batch.grid import run_lr, run_record
 from imgclf.provenance import write_artifact
@@ -27,7 +28,7 @@ def write_shape(b: dict, train: dict, model: dict, hw: dict, memory_path, lr_pat
     record = run_record(b, plan, recipe, recipe.planned_epochs(train["epochs"]),
                         index.images(train_index), train["limit_train_batches"], target_path)
     steps, micro_per_step = record["max_steps"], record["accumulate_grad_batches"]
-    seconds = forecast.run_seconds(
+    seconds = timing.run_seconds(
         lr_runs(run_paths), loader_report(loader_path, hw["name"]), plan, hw,
         batch=record["per_device_batch"], micro_batches=steps * micro_per_step,
         validations=steps // record["eval_every"] + 1, val_images=index.images(val_index),

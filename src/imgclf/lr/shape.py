@@ -1,14 +1,15 @@
 """The shape of an LR validation run (results/lr/{cluster}/validate/x{m}/run.json): what the run
 at one multiple of the chosen LR asks of training, in training's terms (artifacts.RunShape), from
 its grid's budget (imgclf.lr.grid), the plan and the LR summary, with the seconds its Slurm time
-request is sized from (forecast.run_seconds). A module of its own, so that the aggregate, which
-reads the grid, does not run the forecast's code."""
+request is sized from (forecast.timing.run_seconds). A module of its own, so that the aggregate,
+which reads the grid, does not run the forecast's code."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from imgclf import budget, forecast, index, recipes
+from imgclf import budget, index, recipes
+from imgclf.forecast import timing
 from imgclf.artifacts import LRSummary, Plan, RunShape, loader_report, lr_runs
 from imgclf.lr.grid import run_batches, run_length, run_lr, warmup_fraction
 from imgclf.provenance import write_artifact
@@ -27,7 +28,7 @@ def write_shape(spec: dict, train: dict, model: dict, hw: dict, memory_path, lr_
     per_epoch = budget.batches_per_rank(index.images(train_index), plan.world_size,
                                         plan.per_device_batch, True, train["limit_train_batches"])
     micro, passes = run_batches(spec, epochs, per_epoch, plan.accumulate_grad_batches)
-    seconds = forecast.run_seconds(
+    seconds = timing.run_seconds(
         lr_runs(run_paths), loader_report(loader_path, hw["name"]), plan, hw,
         batch=plan.per_device_batch, micro_batches=micro, validations=passes,
         val_images=index.images(val_index), limit_val=train["limit_val_batches"])
