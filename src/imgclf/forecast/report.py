@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from imgclf import artifacts, budget, index, provenance, recipes
+from imgclf import artifacts, budget, index, layout, provenance, recipes
 from imgclf.artifacts import Plan
 from imgclf.forecast.cpu_ranks import measure_cpu_ranks
 from imgclf.forecast.timing import (efficiency_of, lr_run_timing, not_on_entry_device,
@@ -138,7 +138,7 @@ def run(runs, lr_path, hydration_path, loader_path, memory_path, noise_path, tra
               "noise scale": [noise_path]}
     if batch_path:  # its range tests and runs, as the curve's provenance names them
         stages["batch curve"] = [batch_path, *(
-            p for p in curve["provenance"]["inputs"] if p.startswith("results/batch/"))]
+            p for p in curve["provenance"]["inputs"] if p.startswith(layout.BATCH_DIRS))]
     forecast["before_training"] = stages_before_training(stages, provenance.job_seconds(),
                                                          forecast.get("total_s"))
     log.info("%s", forecast["before_training"]["sentence"])
