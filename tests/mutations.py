@@ -855,6 +855,17 @@ MUTATIONS = [
              'return f"{memory_prefix(entry)}.plan.json"',
              ('tests/test_commands.py::test_dry_run_as_typed[snakemake results/memory/p4.json --cores all]',),
              "the memory solve's path is the layout's: the documented `snakemake results/memory/p4.json` would name a file no rule makes"),
+    # --- modules by concern; run records apart from the study scripts ---
+    Mutation('stage-entry-in-a-package-face', 'src/imgclf/train/__init__.py',
+             'the training."""\n',
+             'the training."""\n\n\ndef run(*args):\n    from imgclf.train.runner import run\n\n    return run(*args)\n',
+             ('tests/test_structure.py::test_package_faces_define_nothing',),
+             "a stage's entry point back in its package's __init__.py, where importing any module of the package runs the stage's imports"),
+    Mutation('job-usage-among-the-study-scripts', 'workflow/rules/memory.smk',
+             '"logs/benchmarks/memory/{cluster}.tsv"',
+             '"benchmarks/memory/{cluster}.tsv"',
+             ('tests/test_memory.py::test_rule_on_demo_data_solves_the_cpu_cluster',),
+             "Snakemake's per-job TSVs landed in benchmarks/ among the tracked study scripts, kept apart only by .gitignore globs"),
 ]
 
 

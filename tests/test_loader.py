@@ -71,7 +71,7 @@ def test_rule_on_demo_data_writes_a_choice_that_fits_the_ram_budget(through_memo
     assert len(table) == len(rows)
     assert sum(r["chosen"] == "True" for r in table) == 1
     assert (through_memory / "results/loader/local.png").read_bytes()[:8] == PNG_MAGIC
-    assert (through_memory / "benchmarks/loader/local.tsv").exists()
+    assert (through_memory / "logs/benchmarks/loader/local.tsv").exists()
     assert "choice:" in (through_memory / "logs/loader/local.log").read_text()
     prov = report["provenance"]
     assert prov["config_digest"] and "results/hydration/local.verdict.json" in prov["inputs"]

@@ -65,7 +65,9 @@ def test_rule_on_demo_data_solves_the_cpu_cluster(demo_run):
         report["model"]["params"] * 4  # fp32 weights, SGD momentum: one float per parameter
     assert report["model"]["num_classes"] == 10
     assert (demo_run / "results/memory/local.png").read_bytes()[:8] == PNG_MAGIC
-    assert (demo_run / "benchmarks/memory/local.tsv").exists()
+    # a job's resource usage is a run record, beside its log: benchmarks/ holds the study scripts
+    assert (demo_run / "logs/benchmarks/memory/local.tsv").exists()
+    assert not (demo_run / "benchmarks").exists()
     assert "results/loader/local.json" in report["provenance"]["inputs"]
     out = (demo_run / "snakemake_output.txt").read_text()
     assert "gpu=0" in out.split("rule solve_memory:")[1].split("Finished")[0]

@@ -30,7 +30,7 @@ rule batch_lr_find:
     log:
         "logs/batch/{cluster}/lr_x{multiple}.log",
     benchmark:
-        "benchmarks/batch_lr/{cluster}_x{multiple}.tsv"
+        "logs/benchmarks/batch_lr/{cluster}_x{multiple}.tsv"
     threads: rank_cpus
     resources:
         **device_job(rank_cpus),
@@ -82,7 +82,7 @@ rule batch_run:
     log:
         "logs/batch/{cluster}/run_x{multiple}.log",
     benchmark:
-        "benchmarks/batch_run/{cluster}_x{multiple}.tsv"
+        "logs/benchmarks/batch_run/{cluster}_x{multiple}.tsv"
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
         **training_resources(),

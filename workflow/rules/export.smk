@@ -21,7 +21,7 @@ rule export_model:
     log:
         "logs/export/{cluster}.log",
     benchmark:
-        "benchmarks/export/{cluster}.tsv"
+        "logs/benchmarks/export/{cluster}.tsv"
     threads: device_cpus
     resources:
         **slurm_cpus(device_cpus),
@@ -44,7 +44,7 @@ rule predict:
     log:
         "logs/predict/{cluster}_{name}.log",
     benchmark:
-        "benchmarks/predict/{cluster}_{name}.tsv"
+        "logs/benchmarks/predict/{cluster}_{name}.tsv"
     threads: device_cpus
     resources:
         **device_job(device_cpus),

@@ -21,7 +21,7 @@ rule benchmark_loader:
     log:
         "logs/loader/{cluster}.log",
     benchmark:
-        "benchmarks/loader/{cluster}.tsv"
+        "logs/benchmarks/loader/{cluster}.tsv"
     # one rank's loader, in one device's share of the node; a GPU entry's loaders pin memory,
     # as training's do, on a GPU the job claims
     threads: device_cpus

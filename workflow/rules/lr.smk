@@ -13,7 +13,7 @@ rule lr_find:
     log:
         "logs/lr/{cluster}/run{run}.log",
     benchmark:
-        "benchmarks/lr_find/{cluster}_run{run}.tsv"
+        "logs/benchmarks/lr_find/{cluster}_run{run}.tsv"
     threads: lr_run_cpus
     resources:
         **device_job(lr_run_cpus),

@@ -15,7 +15,7 @@ rule solve_memory:
     log:
         "logs/memory/{cluster}.log",
     benchmark:
-        "benchmarks/memory/{cluster}.tsv"
+        "logs/benchmarks/memory/{cluster}.tsv"
     threads: memory_cpus
     resources:
         **device_job(memory_cpus, memory_gpus),

@@ -23,7 +23,7 @@ rule noise_scale:
     log:
         "logs/noise/{cluster}.log",
     benchmark:
-        "benchmarks/noise_scale/{cluster}.tsv"
+        "logs/benchmarks/noise_scale/{cluster}.tsv"
     threads: rank_cpus
     resources:
         **device_job(rank_cpus),

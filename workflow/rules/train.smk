@@ -44,7 +44,7 @@ rule train_model:
     log:
         "logs/train/{cluster}.log",
     benchmark:
-        "benchmarks/train/{cluster}.tsv"
+        "logs/benchmarks/train/{cluster}.tsv"
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
         **training_resources(),

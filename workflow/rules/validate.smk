@@ -49,7 +49,7 @@ rule validate_lr_run:
     log:
         "logs/lr/{cluster}/validate_x{multiple}.log",
     benchmark:
-        "benchmarks/validate_lr/{cluster}_x{multiple}.tsv"
+        "logs/benchmarks/validate_lr/{cluster}_x{multiple}.tsv"
     threads: lambda wc: hw(wc)["cpus_per_node"]
     resources:
         **training_resources(),
