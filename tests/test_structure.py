@@ -109,6 +109,28 @@ def test_the_package_has_no_import_loop():
     assert not in_a_loop, f"modules that import themselves through others: {in_a_loop}"
 
 
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+    """A module past 400 lines holds more than one concern: split it by concern instead, so
+    that each file can be read whole and a rule reruns for the concern that changed."""
+    long = {str(path.relative_to(REPO)): n for path in PACKAGE.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_package_faces_define_nothing():
+    """A package's __init__.py is its face (a docstring, at most re-exports): a stage's entry
+    point or any other code lives in a module named for it, where a reader and a rule's
+    code() list find it, and importing one module of a package does not run another's code."""
+    defining = sorted(str(path.relative_to(REPO)) for path in PACKAGE.rglob("__init__.py")
+                      if any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                               ast.ClassDef))
+                             for node in ast.parse(path.read_text()).body))
+    assert not defining, f"package faces that define functions or classes: {defining}"
+
+
 def rule_entries() -> dict[str, set[str]]:
     """{rule: the imgclf modules its action runs}: a script's imports, or the module of the
     `imgclf` sub-command of a shell rule."""

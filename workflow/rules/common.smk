@@ -63,7 +63,8 @@ TRAINS = (
     *STARTS_FROM_WEIGHTS,
 )
 # What the shape of an experiment's run is computed with beside the experiment's own module: the
-# plan, the training's length, and the pace its time request is sized from (the forecast's)
+# plan, the training's length, and the pace its time request is sized from (the forecast's
+# timing model, which times no CPU ranks and so claims no device)
 SHAPES_RUN = (
     "forecast",
     "budget",
@@ -71,7 +72,6 @@ SHAPES_RUN = (
     "recipes",
     "artifacts",
     "hardware",
-    "devices",
 )
 
 
