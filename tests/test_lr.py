@@ -208,6 +208,101 @@ def test_auto_scaling_of_an_optimizer_without_a_convention_is_linear():
     assert rule == "linear" and lr == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize("method, chosen_at_skip_end_80",
+                         [("steepest", 1e-3), ("valley", 10 ** -3.8), ("minimum", 1e-4)])
+def test_the_summary_reads_each_suggestion_within_the_configured_skips(method,
+                                                                       chosen_at_skip_end_80):
+    """`lr_finder.skip_end: 80` leaves the first 41 of the curve's 121 LRs (up to 1e-3): every
+    suggestion rule reads only those, as `skip_end: 5` reads nearly all."""
+    cfg = {**CFG, "suggestion": method, "multiple": 1.0}
+    cut = lr_summary.summarize([fake_run(0, 0.01)], plan(64), {**cfg, "skip_end": 80}, "goyal")
+    whole = lr_summary.summarize([fake_run(0, 0.01)], plan(64), {**cfg, "skip_end": 5}, "goyal")
+    assert cut["chosen_lr"] == pytest.approx(chosen_at_skip_end_80, rel=0.01)
+    assert whole["chosen_lr"] > 1e-3 * GRID
+
+
+def test_the_summary_stops_at_the_lowest_loss_only_when_configured():
+    """`lr_finder.until_minimum`: a wild swing after the loss diverged is the steepest fall of
+    the whole curve; the summary reads past the minimum only when told to."""
+    x = np.log10(LRS)
+    loss = 3 - np.tanh((x + 3) / 0.5) + np.where(x > -1, 40 * (x + 1) ** 2, 0)
+    loss[-12] -= 30
+    run = fake_run(0, 1e-3)
+    run["history"]["smoothed_loss"] = loss.tolist()
+    cfg = {**CFG, "multiple": 1.0}
+    stop = lr_summary.summarize([run], plan(64), {**cfg, "until_minimum": True}, "goyal")
+    past = lr_summary.summarize([run], plan(64), {**cfg, "until_minimum": False}, "goyal")
+    assert stop["chosen_lr"] == pytest.approx(1e-3) and past["chosen_lr"] > 1
+
+
+def test_the_summary_takes_the_configured_gradient_of_a_linearly_spaced_curve():
+    """A range test stepped linearly (torch-lr-finder's `step_mode="linear"`): the loss falls
+    fastest per point at 0.4, per log-LR a step later; `lr_finder.gradient` chooses."""
+    lrs = np.linspace(0.01, 1, 100)
+    loss = (3 - np.tanh((lrs - 0.4) / 0.15)).tolist()
+    run = {**fake_run(0, 0.4), "history": {"lr": lrs.tolist(), "smoothed_loss": loss,
+                                           "loss": loss}}
+    cfg = {**CFG, "multiple": 1.0}
+    per_point = lr_summary.summarize([run], plan(64), {**cfg, "gradient": "index"}, "goyal")
+    per_log = lr_summary.summarize([run], plan(64), {**cfg, "gradient": "log_lr"}, "goyal")
+    assert per_point["chosen_lr"] == pytest.approx(0.40)
+    assert per_log["chosen_lr"] == pytest.approx(0.43)
+
+
+def test_the_spread_of_one_run_is_none_and_of_two_their_geometric_deviation():
+    one = lr_summary.summarize([fake_run(0, 0.01), fake_run(1, None)], plan(64), CFG, "goyal")
+    assert one["spread"]["max_over_min"] == 1.0 and one["spread"]["geometric_std"] == 1.0
+    assert one["warnings"] == ["run 1 excluded: no suggestion (too few finite points after "
+                               "the skips)"]
+    two = lr_summary.summarize([fake_run(0, 0.01), fake_run(1, 0.04)], plan(64), CFG, "goyal")
+    ratio = two["spread"]["max_over_min"]
+    assert ratio == pytest.approx(4, rel=0.05)
+    assert two["spread"]["geometric_std"] == pytest.approx(math.sqrt(ratio))
+
+
+def test_a_spread_at_the_limit_passes_and_one_above_it_is_logged(caplog):
+    runs = [fake_run(0, 0.01), fake_run(1, 0.04)]
+    ratio = lr_summary.summarize(runs, plan(64), CFG, "goyal")["spread"]["max_over_min"]
+    at_limit = {**CFG, "spread_limit": ratio, "on_spread": "fail"}
+    assert lr_summary.summarize(runs, plan(64), at_limit, "goyal")["warnings"] == []
+    with caplog.at_level("WARNING", logger="imgclf.lr.summary"):
+        s = lr_summary.summarize(runs, plan(64), {**CFG, "spread_limit": 2.0}, "goyal")
+    assert s["warnings"][0].startswith("LR-finder runs disagree")
+    assert s["warnings"][0] in caplog.text
+
+
+@pytest.mark.parametrize("method, other", [("steepest", "valley"), ("minimum", "steepest"),
+                                           ("valley", "steepest")])
+def test_no_usable_suggestion_names_another_rule_to_try(method, other):
+    with pytest.raises(UserError) as e:
+        lr_summary.summarize([fake_run(0, None)], plan(64), {**CFG, "suggestion": method}, "goyal")
+    assert f"`{method}` suggestion" in str(e.value)
+    assert f"`lr_finder.suggestion: {other}`" in str(e.value)
+
+
+def test_the_shortest_usable_curve_has_two_points():
+    assert lr_summary.suggest_minimum([1e-3, 1e-2], [2.0, 1.0], 0, 0) == pytest.approx(1e-3)
+    assert lr_summary.suggest_minimum([1e-3], [1.0], 0, 0) is None
+
+
+def test_the_summary_records_each_runs_seed_and_where_it_diverged():
+    runs = [{**fake_run(0, 0.01), "seed": 7}, fake_run(1, 0.02, nonfinite_at=100)]
+    s = lr_summary.summarize(runs, plan(64), CFG, "goyal")
+    assert [(r["run"], r["seed"], r["diverged"]) for r in s["runs"]] == [(0, 7, False),
+                                                                         (1, 1, True)]
+    assert s["runs"][1]["diverged_at"] == {"iteration": 100}
+
+
+def test_the_summary_states_the_batches_its_lr_was_found_at_and_trains_at():
+    """Runs of 32 images per step accumulated over 2 (an effective 64): the LR is scaled from
+    64, not 32, to the global batch 256, and the summary shows all three."""
+    runs = [{**fake_run(0, 0.01), "batch_size": 32, "effective_batch": 64}]
+    s = lr_summary.summarize(runs, plan(256), CFG, "goyal")
+    assert (s["lr_finder_batch"], s["lr_finder_effective_batch"], s["global_batch"]) == (32, 64,
+                                                                                          256)
+    assert s["training_lr"] == pytest.approx(4 * s["chosen_lr"])
+
+
 @pytest.mark.parametrize("recipe, rule, factor", [("goyal", "linear", 4.0),
                                                    ("torchvision_v2", "linear", 4.0),
                                                    ("rsb_a2", "sqrt", 2.0)])
