@@ -312,3 +312,33 @@ def test_the_short_runs_ask_for_their_budgets_time_within_a_shorter_partition(sl
         assert accepted.returncode == 0, (line, accepted.stderr)
         refused = sbatch_test_only(line.replace(f" -t {res['runtime']} ", " -t 720 "), work)
         assert refused.returncode and "time limit" in refused.stderr.lower(), refused.stderr
+
+
+TWO_HOURS = {"slurm_time_limit_minutes": 120}
+
+
+@pytest.mark.parametrize("seconds, asks, takes", [
+    (3600, 85, 85.0),      # an hour of training: a quarter more and 10 minutes of start-up
+    (36000, 120, 760.0),   # ten hours: the partition's limit each start, 12 h 40 in all
+    (0, 10, 10.0),         # no training to speak of: the start-up alone
+    (None, 120, 120),      # no forecast yet: the partition's limit
+])
+def test_a_training_job_asks_for_its_forecast_time_within_the_partitions_limit(seconds, asks,
+                                                                              takes):
+    assert slurm_jobs.time_request(seconds, TWO_HOURS) == (asks, pytest.approx(takes))
+
+
+def test_a_training_job_asks_for_a_minute_at_least():
+    assert slurm_jobs.time_request(0, {"slurm_time_limit_minutes": 1})[0] == 1
+
+
+@pytest.mark.parametrize("seconds, limit, signal_s, deadline", [
+    (3600, 120, 300, 1440 + 85 + 3),       # one start: a day to start, its run, the requeue
+    (36000, 120, 300, 8 * (1440 + 120 + 3)),  # 7 starts of 2 h for 12 h 40, and one more
+    (36000, 5, 150, 153 * (1440 + 5 + 3)),    # a 5-minute partition: warned half-way through
+])
+def test_a_training_longer_than_the_partition_requeues_before_its_deadline(seconds, limit,
+                                                                           signal_s, deadline):
+    options = slurm_jobs.requeue_options(seconds, {"slurm_time_limit_minutes": limit})
+    assert options == (f"--requeue --signal=USR1@{signal_s} --open-mode=append "
+                       f"--deadline=now+{deadline}minutes")
