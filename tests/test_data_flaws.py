@@ -457,3 +457,42 @@ def test_file_broken_after_the_check_stops_training_then_resumes(every_flaw_run)
     assert s["resumed_from"] == point and s["completed"] and s["attempts"] == 2
     assert resume_line(point) in (work / "logs/train/local.log").read_text()
     assert s["left_out_after_check"] == [named]
+
+
+def broken_images(folder: Path) -> dict[Path, str]:
+    """Images broken as files are in practice, each with the start of the reason the check
+    gives for it."""
+    import io
+
+    encoded = io.BytesIO()
+    Image.effect_noise((64, 64), 50).save(encoded, "PNG")
+    data = encoded.getvalue()
+    broken = {folder / "cut.png": (data[:len(data) // 2], "truncated: "),
+              folder / "zeroed.png": (data[:100] + bytes(40) + data[140:], "corrupt: broken data"),
+              folder / "text.jpg": (b"not an image at all",
+                                    "corrupt: no image format recognised in its bytes")}
+    for path, (content, _) in broken.items():
+        path.write_bytes(content)
+    return {path: why for path, (_, why) in broken.items()}
+
+
+def test_the_check_tells_a_truncated_image_from_a_corrupt_one(tmp_path):
+    for path, why in broken_images(tmp_path).items():
+        assert integrity.check_image(str(path), None).startswith(why), path.name
+
+
+@pytest.mark.parametrize("workers", [1, 2, "auto"])
+def test_the_check_finds_every_broken_image_among_more_than_one_chunk(tmp_path, workers):
+    """Three broken images and one over the pixel limit among 600 (three chunks of files),
+    decoded in one process, in two, or in as many as the machine has: all four found, each
+    with its reason, and nothing else."""
+    good = tmp_path / "good.png"
+    Image.new("L", (8, 8)).save(good)
+    paths = [str(good)] * 596
+    expected = {str(p): why for p, why in broken_images(tmp_path).items()}
+    expected[str(pixels_image(tmp_path, "large.png", (120, 120)))] = "too large"
+    for i, path in enumerate(expected):
+        paths.insert(250 * i, path)
+    found = integrity.verify(paths, workers, max_pixels=10_000)
+    assert set(found) == set(expected)
+    assert {p: found[p][:len(why)] for p, why in expected.items()} == expected
