@@ -446,7 +446,8 @@ MUTATIONS = [
               "test_an_environment_built_elsewhere_gets_the_build_its_hardware_needs",),
              "a login node chose CUDA 13 for compute nodes whose driver it cannot see"),
     Mutation("resume-replays-the-epoch", "src/imgclf/sampling.py",
-             "self.sampler.skip(self._handed * self.batch_size)", "self.sampler.skip(0)",
+             "self.sampler.skip(self._handed * self.batch_size, self._left_out)",
+             "self.sampler.skip(0, self._left_out)",
              ("tests/test_resume.py::"
               "test_a_requeued_epoch_trains_on_what_an_uninterrupted_one_would",),
              "a requeued epoch trained its first batches twice and its last never"),
