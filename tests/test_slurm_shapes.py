@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -342,3 +343,35 @@ def test_a_training_longer_than_the_partition_requeues_before_its_deadline(secon
     options = slurm_jobs.requeue_options(seconds, {"slurm_time_limit_minutes": limit})
     assert options == (f"--requeue --signal=USR1@{signal_s} --open-mode=append "
                        f"--deadline=now+{deadline}minutes")
+
+
+G5 = {"name": "g5", "gpus_per_node": 4, "gpu_model": "A10G", "gpu_memory_gb": 24, "nodes": 1,
+      "cpus_per_node": 48, "ram_gb": 192, "cpu_processes": 2, "accelerator": "gpu",
+      "devices_per_node": 4, "slurm_gpu_request": "gres"}
+
+
+def snakemake_process(executor: str | None = None, remote: bool = False, **resources):
+    """What the rules' resource functions read of the Snakemake process evaluating them: its
+    executor, its mode, and the global resources (--cores, --resources gpu=N) it was given."""
+    from snakemake_interface_executor_plugins.settings import ExecMode
+
+    return SimpleNamespace(executor_plugin=executor and SimpleNamespace(name=executor),
+                           exec_mode=ExecMode.REMOTE if remote else ExecMode.DEFAULT,
+                           global_resources=resources, register_resource=None)
+
+
+@pytest.mark.parametrize("process, threads", [
+    (snakemake_process("slurm", _cores=2, gpu=1), 12),  # submitted: a GPU's share of 48 CPUs
+    (snakemake_process(_cores=8, gpu=2), 4),            # here: 8 cores over 2 GPUs
+    (snakemake_process(_cores=64, gpu=2), 12),          # never more than the share
+    (snakemake_process(_cores=1, gpu=4), 1),            # one core over 4 GPUs: one each
+    (snakemake_process(_cores=8), 12),                  # no GPU pool: the share
+])
+def test_a_job_of_one_gpu_takes_its_share_of_the_cores_it_runs_on(process, threads):
+    assert slurm_jobs.job_device_cpus(process, G5) == threads
+
+
+def test_a_gpu_pool_given_by_the_user_is_kept():
+    process = snakemake_process(gpu=1)
+    slurm_jobs.declare_gpu_pool(process)  # register_resource would fail if called
+    assert process.global_resources == {"gpu": 1}
