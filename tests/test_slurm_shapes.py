@@ -337,6 +337,7 @@ def test_a_training_job_asks_for_a_minute_at_least():
     (3600, 120, 300, 1440 + 85 + 3),       # one start: a day to start, its run, the requeue
     (36000, 120, 300, 8 * (1440 + 120 + 3)),  # 7 starts of 2 h for 12 h 40, and one more
     (36000, 5, 150, 153 * (1440 + 5 + 3)),    # a 5-minute partition: warned half-way through
+    (9120, 120, 300, 3 * (1440 + 120 + 3)),  # 3 h 20 in all: 2 starts, and one more
 ])
 def test_a_training_longer_than_the_partition_requeues_before_its_deadline(seconds, limit,
                                                                            signal_s, deadline):
@@ -375,3 +376,24 @@ def test_a_gpu_pool_given_by_the_user_is_kept():
     process = snakemake_process(gpu=1)
     slurm_jobs.declare_gpu_pool(process)  # register_resource would fail if called
     assert process.global_resources == {"gpu": 1}
+
+
+@pytest.mark.parametrize("change, asks_for", [
+    ({}, "a10g"),                                      # the entry's model, as Slurm types it
+    ({"slurm_gpu_type": "Tesla_A10G"}, "Tesla_A10G"),  # the site's own name, as written
+    ({"slurm_gpu_request": "untyped"}, None),          # a cluster whose GPUs have no types
+    ({"gpu_model": "auto"}, None), ({"gpu_model": "none"}, None),
+    ({"gpu_model": "unknown"}, None),                  # no model named
+    ({"gpu_model": "NVIDIA A10G"}, None),              # a full name is no Slurm type
+    ({"gpu_model": None}, None),
+])
+def test_a_gpu_job_names_the_type_slurm_knows_the_entrys_gpu_by(change, asks_for):
+    entry = {k: v for k, v in {**G5, **change}.items() if v is not None}
+    assert slurm_jobs.gpu_type(entry) == asks_for
+    assert slurm_jobs.gpu_resources(entry, 1, True)["gpu_model"] == asks_for
+
+
+def test_outside_slurm_a_cpu_job_leaves_its_cpus_and_memory_unset():
+    assert slurm_jobs.cpu_resources(G5, 12, False) == {"cpus_per_task": None,
+                                                       "mem_mb_per_cpu": None}
+    assert slurm_jobs.cpu_resources(G5, 12, True)["cpus_per_task"] == 12
