@@ -224,8 +224,8 @@ def test_a_checkpoint_without_the_loaders_position_resumes_from_the_epochs_start
     del ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # as an earlier version's
     torch.save(ckpt, tmp_path / "last.ckpt")
     note = resume.find_resume(tmp_path, "d")["note"]
-    assert note.startswith(f"resuming from {tmp_path / 'last.ckpt'} (epoch 1, step 17)"), note
-    assert note.endswith("the rest of epoch 1 is drawn from its start again"), note
+    assert note.startswith(f"resuming from {tmp_path / 'last.ckpt'} (epoch 2, step 17)"), note
+    assert note.endswith("the rest of epoch 2 is drawn from its start again"), note
     again = fit_one_device(tmp_path, ckpt_path=tmp_path / "last.ckpt").seen
     assert again == [(1, 5 + i, batch) for i, (_, _, batch) in enumerate(whole[12:19])]
 
