@@ -282,6 +282,8 @@ def test_no_usable_suggestion_names_another_rule_to_try(method, other):
 
 def test_the_shortest_usable_curve_has_two_points():
     assert lr_summary.suggest_minimum([1e-3, 1e-2], [2.0, 1.0], 0, 0) == pytest.approx(1e-3)
+    assert lr_summary.suggest_steepest([1e-3, 1e-2], [2.0, 1.0], 0, 0) == pytest.approx(1e-3)
+    assert lr_summary.suggest_valley([1e-3, 1e-2], [2.0, 1.0], 0, 0) == pytest.approx(1e-2)
     assert lr_summary.suggest_minimum([1e-3], [1.0], 0, 0) is None
 
 
@@ -301,6 +303,15 @@ def test_the_summary_states_the_batches_its_lr_was_found_at_and_trains_at():
     assert (s["lr_finder_batch"], s["lr_finder_effective_batch"], s["global_batch"]) == (32, 64,
                                                                                           256)
     assert s["training_lr"] == pytest.approx(4 * s["chosen_lr"])
+
+
+def test_the_summary_names_the_recipes_reference_and_the_runs_batch_mixing():
+    mixed = {**fake_run(0, 0.01), "batch_mixing": "MixUp alpha 0.2 or CutMix alpha 1.0"}
+    s = lr_summary.summarize([mixed], plan(256), CFG, "goyal")
+    assert s["reference"] == "goyal: 0.1 at batch 256, linear scaling"
+    assert s["batch_mixing"] == "MixUp alpha 0.2 or CutMix alpha 1.0"
+    older = lr_summary.summarize([fake_run(0, 0.01)], plan(256), CFG, "goyal")
+    assert older["batch_mixing"] == "not recorded"  # runs made before it was recorded
 
 
 @pytest.mark.parametrize("recipe, rule, factor", [("goyal", "linear", 4.0),
