@@ -220,6 +220,7 @@ SRUN_RANK = """
 import sys, time
 from datetime import timedelta
 from imgclf.train import resume
+from lightning.fabric.plugins import environments  # imported before the clock: seconds alone
 start = time.monotonic()
 try:
     resume.agreed_resume(None, "abc", "gloo", timedelta(seconds=float(sys.argv[1])))
