@@ -27,9 +27,9 @@ SPARE, SPARE_NODES = "spare", ("imgclf-n3", "imgclf-n4")
 # partition gpu: 8 `a100` and 4 `a10g` per node, a p4 node's CPUs and memory; no job runs there
 GPU_PARTITION = "gpu"
 TARGETS = {"all", "train"}  # rules without an action: Snakemake finishes them itself
-# local rules: the training's settings file, the report's key tables and the figures (a
-# second each)
-LOCAL = TARGETS | {"train_settings", "report_table"} | {
+# local rules: the training's settings file, the report's key tables and landing page and the
+# figures (a second each)
+LOCAL = TARGETS | {"train_settings", "report_table", "report_landing"} | {
     f"plot_{f}" for f in ("hydration", "loader", "memory", "lr", "noise", "lr_validation", "batch",
                           "training", "evaluation")}
 UPSTREAM = ("prepare_demo_data", "check_hydration", "benchmark_loader", "solve_memory", "lr_find")
