@@ -66,6 +66,14 @@ HOW = {
     ".venv/bin/python benchmarks/gpu.py": "it needs a CUDA GPU",
     ".venv/bin/python benchmarks/export_check.py": "a benchmark: it exports ResNet-18 and "
                                                    "ResNet-50 and times their checks, minutes",
+    ".venv/bin/pip install mutmut==3.8.1": "it installs the mutation tool, which is no dependency",
+    "R=$PWD; mkdir /tmp/m && git archive HEAD | tar -x -C /tmp/m && cd /tmp/m":
+        "it prepares the mutation tool's run below",
+    'OMP_WAIT_POLICY=PASSIVE $R/.venv/bin/mutmut run --max-children 2 "imgclf.lr.scaling*"':
+        "each mutant runs fast tests of this suite, for minutes",
+    "$R/.venv/bin/mutmut results --all true | grep imgclf.lr.scaling | awk '{print $NF}' | sort "
+    "| uniq -c": "it reads the run above",
+    "$R/.venv/bin/mutmut show imgclf.lr.scaling.x_scale_lr__mutmut_15": "it reads the run above",
     "imgclf resources --cluster p4": "test_slurm_shapes.py runs it and holds docs/slurm.md's "
                                      "tables to its output",
     ".venv/bin/python benchmarks/suite_cost.py --ignore-glob='tests/test_slurm*.py'":
