@@ -857,7 +857,8 @@ def test_the_measured_solve_claims_its_gpu_and_checks_the_build_first(solve_clai
 
 def claim_then_check(stage: str, demo_root):
     """Start `stage` of p3 (one device of it: training too) until it checks the torch build."""
-    from imgclf import evaluate, loader_bench, noise_scale
+    from imgclf import evaluate, noise_scale
+    from imgclf.loader_bench import bench as loader_bench
     from imgclf.lr import find as lr_find
     from imgclf.train import job as train_job
     from imgclf.artifacts import Plan

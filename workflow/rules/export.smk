@@ -37,8 +37,15 @@ rule predict:
     """
     input:
         model=layout.export_dir("{cluster}"),
-        code=code("predict", "predict_files", *DATA_PIPELINE, "decoding", "images", "devices",
-                  "model_folder"),
+        code=code(
+            "predict",
+            "predict_files",
+            *DATA_PIPELINE,
+            "decoding",
+            "images",
+            "devices",
+            "model_folder",
+        ),
     output:
         layout.predictions("{cluster}", "{name}"),
     log:
