@@ -397,3 +397,69 @@ def test_outside_slurm_a_cpu_job_leaves_its_cpus_and_memory_unset():
     assert slurm_jobs.cpu_resources(G5, 12, False) == {"cpus_per_task": None,
                                                        "mem_mb_per_cpu": None}
     assert slurm_jobs.cpu_resources(G5, 12, True)["cpus_per_task"] == 12
+
+
+# --- what the Snakemake process of a job decides from where it runs ---------------------------
+
+def gpu_pool_of(process, gpus_here: int, monkeypatch) -> dict:
+    """The global resources after the Snakefile declared its GPU pool on a machine of
+    `gpus_here` GPUs."""
+    monkeypatch.setattr(slurm_jobs, "local_device_count", lambda: gpus_here)
+    process.register_resource = process.global_resources.__setitem__
+    slurm_jobs.declare_gpu_pool(process)
+    return process.global_resources
+
+
+def test_a_machine_with_gpus_runs_no_more_gpu_jobs_at_once_than_it_has(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert gpu_pool_of(snakemake_process(), 2, monkeypatch) == {"gpu": 2}
+    assert gpu_pool_of(snakemake_process(), 0, monkeypatch) == {}  # nothing to share
+    assert gpu_pool_of(snakemake_process(gpu=1), 2, monkeypatch) == {"gpu": 1}  # the user's
+
+
+def test_a_slurm_run_declares_no_pool_of_the_login_nodes_gpus(monkeypatch):
+    """The process that submits, and the ones inside the allocation (remote mode in a job),
+    leave the GPUs to Slurm; a local run inside an salloc allocation pools them."""
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert gpu_pool_of(snakemake_process("slurm"), 2, monkeypatch) == {}
+    assert gpu_pool_of(snakemake_process("local", remote=True), 2, monkeypatch) == {}
+    assert gpu_pool_of(snakemake_process("local"), 2, monkeypatch) == {"gpu": 2}
+
+
+def test_inside_its_allocation_a_job_of_one_gpu_keeps_the_share_slurm_gave_it(monkeypatch):
+    """The command of a submitted job runs in a remote-mode Snakemake of its own, on the node:
+    its threads are what the job asked for, not a login node's cores over a pool."""
+    inside = snakemake_process("local", remote=True, _cores=2, gpu=1)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert slurm_jobs.job_device_cpus(inside, G5) == 12
+    monkeypatch.delenv("SLURM_JOB_ID")  # the same process outside any job: its 2 cores
+    assert slurm_jobs.job_device_cpus(inside, G5) == 2
+
+
+def test_a_local_run_shares_the_cores_snakemake_was_given_in_whole_threads():
+    """As Snakemake holds --cores and --resources (Resource objects): 8 cores over 3 GPUs
+    give each GPU job 2 threads."""
+    from snakemake.resources import Resource
+
+    process = snakemake_process(_cores=Resource("_cores", 8), gpu=Resource("gpu", 3))
+    threads = slurm_jobs.job_device_cpus(process, G5)
+    assert threads == 2 and isinstance(threads, int)
+
+
+def test_the_training_rule_reads_its_slurm_request_from_where_it_runs(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    submitting, here = snakemake_process("slurm"), snakemake_process(_cores=8)
+    assert slurm_jobs.train_resource(submitting, G5, "gres") == "gpu:a10g:4"
+    assert slurm_jobs.train_resource(submitting, G5, "gpu") is None
+    assert slurm_jobs.train_resource(here, G5, "gpu") == 4
+    assert slurm_jobs.train_resource(here, G5, "gres") is None
+
+
+def test_a_short_runs_time_is_read_from_its_shape(tmp_path):
+    shape = tmp_path / "run.json"
+    with pytest.raises(FileNotFoundError):  # Snakemake: decided once the shape is written
+        slurm_jobs.run_seconds(shape)
+    shape.write_text(json.dumps({"seconds": 420.5}))
+    assert slurm_jobs.run_seconds(shape) == 420.5
+    shape.write_text(json.dumps({"max_steps": 8}))  # no estimate: the partition's limit
+    assert slurm_jobs.run_seconds(shape) is None
