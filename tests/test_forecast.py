@@ -287,3 +287,110 @@ def test_a_short_runs_time_is_its_budget_at_the_lr_runs_pace():
         r["max_steps"] // r["eval_every"] + 1
     assert seconds(shape["per_device_batch"], micro, passes) == \
         pytest.approx(20 * step + 11 * val)
+
+
+# --- the bill's figures as the user reads them ------------------------------------------------
+
+def test_the_lr_runs_time_only_the_steps_before_their_loss_diverged():
+    """Steps after a non-finite loss (here from the 10th on, 5 s each) say nothing of
+    training's pace: five steps of 0.1 s are timed, on the device and at the batch the runs
+    name."""
+    diverged = lr_run()
+    diverged["first_nonfinite_iteration"] = 10
+    diverged["timing"]["step_seconds"][10:] = [5.0] * 25
+    t = timing.lr_run_timing([diverged])
+    assert t["compute_s"] == pytest.approx(0.1) and t["steps"] == 5
+    assert (t["batch"], t["devices"]) == (64, ["NVIDIA A10G"])
+
+
+def test_an_entry_of_cpu_or_mps_is_forecast_from_lr_runs_on_its_own_kind_of_device():
+    cpu = {**G5, "name": "local", "accelerator": "cpu"}
+    assert timing.not_on_entry_device([lr_run(device="cpu", name="cpu (EPYC)")], cpu) is None
+    assert timing.not_on_entry_device([lr_run()], cpu) == \
+        "the LR runs ran on NVIDIA A10G, not on entry 'local''s cpu"
+    mac = {**G5, "name": "mac", "accelerator": "mps"}
+    assert timing.not_on_entry_device([lr_run(device="mps", name="Apple M2")], mac) is None
+    assert timing.not_on_entry_device([lr_run(device="cpu", name="cpu (M2)")], mac) == \
+        "the LR runs ran on cpu (M2), not on entry 'mac''s mps"
+
+
+def test_two_nodes_bill_node_hours_and_device_hours_of_the_same_run():
+    """4 devices on each of 2 nodes, batch 64: 50 training steps of 0.1 / 0.9 s and 5
+    validation batches (waiting 0.064 s for the loader) per epoch, 10 epochs."""
+    f = bill(plan(workers=8, nodes=2), compute_s=0.1, loader_rate=1000, efficiency=0.9,
+             hw={**G5, "price_per_hour": 10.0})
+    assert (f["train_batches_per_epoch"], f["val_batches_per_epoch"]) == (50, 5)
+    assert f["epoch_train_s"] == pytest.approx(50 * 0.1 / 0.9, abs=0.01)
+    assert f["epoch_val_s"] == pytest.approx(5 * 0.064, abs=0.01)
+    assert f["compute_bound_images_per_s"] == pytest.approx(8 * 64 * 0.9 / 0.1, abs=0.1)
+    assert f["input_bound_images_per_s"] == 8000 and f["epochs"] == 10
+    hours = f["total_s"] / 3600
+    assert f["total_s"] == pytest.approx(10 * (50 * 0.1 / 0.9 + 5 * 0.064), abs=0.1)
+    assert f["node_hours"] == pytest.approx(2 * hours, abs=0.001)
+    assert f["device_hours"] == pytest.approx(8 * hours, abs=0.001)
+    assert f["cost"] == pytest.approx(2 * hours * 10.0, abs=0.01)
+    assert f["price_per_hour"] == 10.0
+    assert f["overlap"] == "loader workers decode while the device computes"
+
+
+def test_an_efficiency_measured_on_one_node_is_assumed_across_nodes_and_said_so():
+    measured = {"efficiency": 0.8}
+    across = timing.efficiency_of({**G5, "scaling_efficiency": 0.9}, plan(8, nodes=2), measured)
+    assert across["value"] == pytest.approx(0.72) and across["detail"] == measured
+    assert across["source"] == ("measured here over one node's ranks, times 0.9 across 2 "
+                                "nodes (set by `clusters.g5.scaling_efficiency`)")
+    one_node = timing.efficiency_of(G5, plan(8), measured)
+    assert one_node["value"] == 0.8 and one_node["detail"] == measured
+    assumed = timing.efficiency_of(G5, plan(8), None)["source"]
+    assert assumed == ("assumed: 0.85, NVIDIA's published 8-GPU NVLink scaling of ResNet-50; "
+                       "set `clusters.g5.scaling_efficiency` for this entry")
+
+
+def test_the_forecast_sentence_gives_epochs_time_rate_bound_and_device_hours():
+    f = bill(plan(workers=8), compute_s=0.1, loader_rate=1000, efficiency=0.9)
+    assert forecast_report.sentence(f) == (
+        f"10 epochs in about 0:01:58 at 2304 img/s (compute-bound), "
+        f"{f['device_hours']:.2f} device-hours")
+    assert forecast_report.sentence({"total_s": None, "why_not": "no timed device"}) == \
+        "No forecast of time or cost: no timed device."
+
+
+def test_lr_runs_on_a_laptop_give_a_g5_plan_its_input_bound_rate_only(tmp_path):
+    laptop = [lr_run(device="cpu", name="cpu (laptop)")]
+    f = forecast_report.make(laptop, {"choice": {"images_per_s": 500.0}, "note": "slow disk"},
+                             plan(4), G5, MODEL, TRAIN, *indexes(tmp_path), 0.02)
+    assert f["forecast_for_entry"] is False and f["total_s"] is None
+    assert f["why_not"] == "the LR runs ran on cpu (laptop), not on a A10G of entry 'g5'"
+    assert f["input_bound_images_per_s"] == 2000.0
+    assert (f["cluster"], f["world_size"], f["nodes"], f["per_device_batch"],
+            f["global_batch"]) == ("g5", 4, 1, 64, 256)
+    assert f["loader_images_per_s_per_device"] == 500.0 and f["loader_note"] == "slow disk"
+    assert forecast_report.sentence(f).startswith("No forecast of time or cost: the LR runs ran")
+
+
+def test_a_forecast_of_the_entrys_device_is_billed_at_its_batches(tmp_path):
+    """g5's 4 x 64 on 1,280 training and 128 validation images: 5 steps of 0.1 / 0.85 s and one
+    validation batch of 0.04 s per epoch (a loader fast enough never to wait for)."""
+    f = forecast_report.make([lr_run()], {"choice": {"images_per_s": 1e6}}, plan(4), G5, MODEL,
+                             TRAIN, *indexes(tmp_path), 0.02)
+    assert f["forecast_for_entry"] is True and f["why_not"] is None
+    assert (f["train_batches_per_epoch"], f["val_batches_per_epoch"]) == (5, 1)
+    assert f["epoch_s"] == pytest.approx(5 * 0.1 / 0.85 + 0.04, abs=0.01)
+    assert f["step_timing"]["source"] == "the LR runs"
+    assert f["scaling_efficiency"]["value"] == timing.DEFAULT_SCALING_EFFICIENCY
+    assert "start-up" in f["excludes"]
+
+
+def test_options_are_priced_only_where_the_forecast_is_the_entrys():
+    adv = {"sentence": "s", "options": [{"devices": 2, "time": 0.6, "cost": 1.2}]}
+    assert forecast_report.with_forecast(adv, {"forecast_for_entry": False}) is adv
+    unpriced = forecast_report.with_forecast(adv, {
+        "forecast_for_entry": True, "total_s": 3600, "device_hours": 1.0, "world_size": 1,
+        "nodes": 1})
+    assert unpriced["options"] == [{"devices": 2, "time": 0.6, "cost": 1.2, "hours": 0.6,
+                                    "device_hours": 1.2, "cost_money": None}]
+    # 2 nodes of 4 devices at 8.0 a node-hour: 2.0 a device-hour
+    priced = forecast_report.with_forecast(adv, {
+        "forecast_for_entry": True, "total_s": 3600, "device_hours": 8.0, "world_size": 8,
+        "nodes": 2, "price_per_hour": 8.0})
+    assert priced["options"][0]["cost_money"] == pytest.approx(8.0 * 1.2 * 2.0)
