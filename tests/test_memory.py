@@ -554,3 +554,167 @@ def test_gpu_request_under_slurm_does_not_depend_on_the_login_node(monkeypatch, 
     assert gpus_to_request({"mode": "estimate"}, gpu_entry, on_slurm=True) == 0
     assert gpus_to_request({"mode": "auto"}, cpu_entry, on_slurm=True) == 0
     assert gpus_to_request({"mode": "auto"}, gpu_entry, on_slurm=False) == int(bool(gpus_here))
+
+
+# --- the plan a solve writes, on a model small enough to count in a moment ---------------------
+
+RESNET18_32 = {"arch": "resnet18", "recipe": "demo", "resolution": 32, "precision": "32",
+               "channels_last": False}
+TINY_CPU = {"name": "tinycpu", "accelerator": "cpu", "gpus_per_node": 0, "gpu_model": "none",
+            "gpu_memory_gb": 0, "devices_per_node": 2, "nodes": 1, "cpus_per_node": 2,
+            "ram_gb": 64, "cpu_processes": 2}
+
+
+def solved(hw: dict, gpu_here=None, loader: dict | None = None, **memory_config) -> dict:
+    """The solve of ResNet-18 at 32 px (10 classes, the demo recipe: global batch 128) on `hw`,
+    estimated unless a device is given."""
+    config = settings.load()
+    mem = config["memory"] | {"mode": "estimate"} | memory_config
+    loader = loader or loader_report(hw["name"], num_classes=10, resolution=32,
+                                     **({"workers": 0, "prefetch": 0} if hw is TINY_CPU else {}))
+    return memory.solve(mem, RESNET18_32, hw, loader, gpu_here=gpu_here)
+
+
+def g5(**changes) -> dict:
+    return settings.cluster(settings.load(), "g5") | changes
+
+
+def test_an_estimated_gpu_batch_is_the_largest_multiple_of_8_within_the_margin():
+    """A 2.13 GB card: the batch the estimate fits under 85 % of it, rounded down to 8; four of
+    them train a global batch above the recipe's, which the user is warned of."""
+    from imgclf.memory.solve import problem
+
+    hw = g5(gpu_memory_gb=2.13)
+    r = solved(hw, max_batch=512)
+    fitting, batch = r["largest_fitting_batch"], r["per_device_batch"]
+    budget = 0.85 * 2.13e9
+    p = problem(settings.load()["memory"], RESNET18_32, hw, loader_report("g5", 10))
+    assert p.total(fitting) <= budget < p.total(fitting + 1)
+    assert batch == r["estimated_batch"] == fitting - fitting % 8 and batch > 8
+    assert r["limited_by"] == "gpu_memory" and r["method"] == "estimated"
+    assert r["accumulate_grad_batches"] == 1 and r["global_batch"] == 4 * batch
+    assert (r["capacity_bytes"], r["budget_bytes"], r["safety_margin"]) == (2.13e9, budget, 0.85)
+    assert r["breakdown"] == r["estimated_breakdown"]
+    assert r["predicted_gpu_bytes"] == sum(r["breakdown"].values()) <= budget
+    assert r["breakdown"]["nccl"] == r["breakdown"]["cuda_context"] == 0.5e9  # 4 GPUs
+    assert r["measurement"] is None
+    assert r["method_note"].endswith("; plus the stated allowances for the CUDA context, "
+                                     "workspaces and fragmentation")
+    assert r["warnings"] == [
+        "estimated, not measured: no A10G GPU here; rerun solve_memory on a g5 node for a "
+        "measured figure",
+        f"global batch {4 * batch} differs from the recipe's target 128; the LR stage scales "
+        f"the LR to {4 * batch}"]
+    assert (r["cluster"], r["accelerator"], r["devices_per_node"], r["nodes"]) == \
+        ("g5", "gpu", 4, 1)
+    assert (r["recipe"], r["optimizer"], r["optimizer_state_floats_per_param"],
+            r["target_global_batch"]) == ("demo", "sgd", 1, 128)
+    assert r["model"] == {**RESNET18_32, "num_classes": 10,
+                          "params": memory.count_params(recipes.build_model("resnet18", 10))[
+                              "params"]}
+    # the loader's choice fits g5's host RAM: kept, for each of the 4 processes
+    assert (r["num_workers"], r["prefetch_factor"], r["decoder"]) == (8, 2, "tensor")
+    assert r["predicted_host_bytes"] == 4 * r["predicted_host_bytes_per_process"]
+    assert r["host_ram_budget_bytes"] == 192e9 * 0.8
+
+
+def test_a_gpu_batch_that_would_fit_larger_is_capped_by_max_batch():
+    r = solved(g5())  # max_batch auto: the recipe's 128
+    assert r["per_device_batch"] == r["estimated_batch"] == 128
+    assert r["limited_by"] == "max_batch" and r["largest_fitting_batch"] > 128
+    one = solved(g5(gpus_per_node=1, devices_per_node=1))
+    assert one["global_batch"] == 128 and one["breakdown"]["nccl"] == 0
+    assert not any("differs from the recipe's target" in w for w in one["warnings"])
+
+
+def test_a_measured_plan_reports_the_measurement_beside_the_estimate():
+    """Measured on a simulated 24 GB A10G (1 GB fixed, 50 MB per image): the batch the probes
+    found, the breakdown as measured, and the estimate at that batch kept beside it."""
+    device = {"name": "simulated A10G", "total": 24e9, "outside_allocator": lambda: 0.5e9,
+              "step_factory": lambda *args: simulated_gpu(capacity=23.5e9)}
+    r = solved(g5(), gpu_here=device, mode="auto", max_batch=512)
+    batch = r["per_device_batch"]
+    m = r["measurement"]
+    assert r["method"] == "measured" and batch == m["per_device_batch"] < r["estimated_batch"]
+    assert r["method_note"] == "measured on simulated A10G with real training steps"
+    assert r["breakdown"] == {"fixed_measured": int(m["fixed_bytes"]),
+                              "per_sample_measured": int(m["per_sample_bytes"] * batch),
+                              "outside_allocator": 500000000, **m["beside_probes"]}
+    assert r["predicted_gpu_bytes"] == sum(r["breakdown"].values()) <= 0.85 * 24e9
+    assert r["estimated_breakdown"]["activations"] > 0  # the estimate at the measured batch
+    assert r["limited_by"] == "gpu_memory"
+    assert not any(w.startswith("estimated, not measured") for w in r["warnings"])
+
+
+def test_a_warm_up_step_that_runs_out_of_memory_names_the_model_and_the_card():
+    device = {"name": "sim", "total": 24e9, "outside_allocator": lambda: 0.5e9,
+              "step_factory": lambda *args: simulated_gpu(capacity=0.5e9)}
+    with pytest.raises(UserError) as err:
+        solved(g5(), gpu_here=device, mode="auto")
+    assert str(err.value).startswith("Not even a batch of 2 fits: resnet18 at 32 px in 32 on "
+                                     "cluster g5 (A10G, 24 GB) ran out of memory in its warm-up "
+                                     "step at batch 2")
+
+
+@pytest.mark.parametrize("max_batch, batch, limited_by, accumulate", [
+    ("auto", 64, "target_global_batch", 1),  # 128 over 2 ranks
+    (16, 16, "max_batch", 4),
+    (4, 4, "max_batch", 16),
+])
+def test_a_cpu_rank_trains_its_share_of_the_global_batch_up_to_max_batch(max_batch, batch,
+                                                                         limited_by, accumulate):
+    r = solved(TINY_CPU, max_batch=max_batch)
+    assert (r["per_device_batch"], r["limited_by"]) == (batch, limited_by)
+    assert (r["accumulate_grad_batches"], r["global_batch"]) == (accumulate, 128)
+    assert r["capacity_bytes"] is None and r["predicted_gpu_bytes"] is None
+    assert r["budget_bytes"] == 64e9 * 0.8 / 2
+    assert r["method_note"].endswith("; no GPU: the budget is host RAM per CPU rank")
+    assert r["warnings"][0] == (
+        "cluster tinycpu has no GPU: the per-rank batch is the recipe's global batch 128 split "
+        "over 2 CPU ranks, capped by the host RAM budget; no GPU memory to fit")
+    noisy = "per-device batch 4 is below memory.round_to (8): batch norm statistics get noisy"
+    assert (noisy in r["warnings"]) == (batch < 8)
+
+
+def test_a_cpu_rank_that_cannot_hold_one_image_is_one_sentence():
+    with pytest.raises(UserError) as err:
+        solved({**TINY_CPU, "ram_gb": 0.5})
+    msg = str(err.value)
+    assert msg.startswith("Not even a batch of 1 fits on cluster tinycpu: resnet18 at 32 px in "
+                          "32 needs ")
+    assert msg.endswith(" GB per CPU rank, over the host RAM budget of 0.20 GB per rank "
+                        "(clusters.tinycpu.ram_gb x loader.ram_margin / devices).")
+    assert one_sentence(msg)
+
+
+def test_a_small_host_ram_lowers_the_loader_and_says_what_still_exceeds_it():
+    """g5 with 8 GB of RAM: 1.6 GB per GPU process, under the 2 GB a CUDA process is allowed
+    beside its loader: no workers, and the user is told the process still exceeds it."""
+    loader = loader_report("g5", num_classes=10, resolution=32) | {"note": "slow disk"}
+    r = solved(g5(ram_gb=8), loader=loader)
+    assert (r["num_workers"], r["prefetch_factor"]) == (0, 0)
+    per_process = r["predicted_host_bytes_per_process"]
+    assert per_process > 2e9 and r["host_ram_budget_bytes"] == 8e9 * 0.8
+    assert r["warnings"][0] == "loader: slow disk"
+    assert r["warnings"][-1] == (f"host RAM: {per_process / 1e9:.2f} GB per process exceeds "
+                                 f"the budget of 1.60 GB even with 0 workers")
+
+
+def test_the_stage_writes_the_plan_and_logs_it(tmp_path, caplog):
+    import logging
+
+    loader = tmp_path / "loader.json"
+    loader.write_text(json.dumps(loader_report("g5", num_classes=10, resolution=32)))
+    mem = settings.load()["memory"] | {"mode": "estimate"}
+    with caplog.at_level(logging.INFO, logger="imgclf.memory"):
+        r = memory.run(mem, RESNET18_32, g5(), loader, tmp_path / "g5.json")
+    written = json.loads((tmp_path / "g5.json").read_text())
+    assert written["per_device_batch"] == r["per_device_batch"] == 128
+    assert str(loader) in written["provenance"]["inputs"]
+    assert "g5: per-device batch 128 x 4 devices x 1 nodes x accumulation 1 = 512 (estimated)" \
+        in caplog.text
+    warned = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert warned == r["warnings"] and len(warned) == 2
+    with pytest.raises(UserError, match="is for cluster 'g5', not 'p4'"):
+        memory.run(mem, RESNET18_32, settings.cluster(settings.load(), "p4"), loader,
+                   tmp_path / "p4.json")
