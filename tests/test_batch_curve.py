@@ -497,3 +497,84 @@ CASES = {
 def test_batch_curve_edits_plan_exactly_their_dependents(measured, case):
     edit, expected = CASES[case]
     assert planned(measured, TARGET, "base.yaml", edit) == expected
+
+
+# --- the curve as the stage writes it -------------------------------------------------------------
+
+def test_the_curve_records_each_batchs_run_and_fits_those_that_reached_the_target(tmp_path,
+                                                                                 caplog):
+    """Four batches around the plan's 128 on 2 ranks, reaching the target in 4, 2, 2 and 1
+    steps: each run's figures as its summary and range test state them, the fit of the four,
+    and where the plan's batch sits against its critical batch."""
+    inputs = batch_runs(tmp_path, [0.5, 1.0, 2.0, 4.0], reached_at={0.5: 4, 2.0: 2, 4.0: 1})
+    with caplog.at_level("INFO", logger="imgclf.batch.curve"):
+        c = batch_curve.run(**inputs)
+    assert [r.getMessage() for r in caplog.records] == [c["advice"]["sentence"]]
+    assert [r["global_batch"] for r in c["runs"]] == [64, 128, 256, 512]
+    assert [r["multiple"] for r in c["runs"]] == [0.5, 1.0, 2.0, 4.0]
+    assert [r["steps"] for r in c["runs"]] == [4, 2, 2, 1]
+    assert [r["images"] for r in c["runs"]] == [256, 256, 512, 512]
+    assert [r["steps_run"] for r in c["runs"]] == [8, 3, 8, 8]
+    first = c["runs"][0]
+    assert (first["lr"], first["suggested_lr"], first["max_steps"]) == (0.4, 0.1, 8)
+    assert (first["range_test_seconds"], first["train_seconds"]) == (2.0, 10.0)
+    assert first["final_val_loss"] is None  # the summary has no final validation
+    fit = batch_curve.fit([64, 128, 256, 512], [4, 2, 2, 1])
+    assert c["fit"] == fit and fit["where"] == "within" and fit["points"] == 4
+    assert c["largest_paying_batch"] == pytest.approx(fit["b_crit"])  # min_cut 25 %
+    assert c["plan_over_b_crit"] == round(128 / fit["b_crit"], 4)
+    assert (c["global_batch"], c["devices"], c["min_cut"]) == (128, 2, 0.25)
+    assert (c["not_reached"], c["b_simple"], c["target_val_loss"]) == ([], 300.0, 0.7)
+    assert c["model"] == batch_curve.MODEL and c["path"] == str(inputs["out"])
+    # 2 devices: half of them (1) and twice (4, also the count nearest the batch that pays)
+    assert [o["devices"] for o in c["advice"]["options"]] == [1, 4]
+    assert c["advice"]["best_devices"] == 4
+    assert json.loads(inputs["out"].read_text())["advice"] == c["advice"]
+
+
+def test_a_batch_that_never_reached_the_target_is_named_and_left_out_of_the_fit(tmp_path):
+    c = batch_curve.run(**batch_runs(tmp_path, [0.5, 1.0, 2.0, 4.0],
+                                     reached_at={0.5: 99, 2.0: 2, 4.0: 1}))
+    assert c["not_reached"] == [64]
+    never = c["runs"][0]
+    assert never["steps"] is None and never["images"] is None
+    assert c["fit"]["points"] == 3
+
+
+def test_steps_that_fell_in_proportion_give_no_critical_batch_and_no_options(tmp_path):
+    """6, 2 and 1 steps at 64, 128 and 256: still falling about in proportion at the largest
+    batch, so the curve names no critical batch, no batch that pays and no options."""
+    c = batch_curve.run(**batch_runs(tmp_path, [0.5, 1.0, 2.0], reached_at={0.5: 6, 2.0: 1}))
+    assert c["fit"]["where"] == "above" and c["fit"]["b_crit"] is None
+    assert c["largest_paying_batch"] is None and c["plan_over_b_crit"] is None
+    assert c["advice"]["options"] == []
+    assert "still fell about in proportion at the largest batch measured" in \
+        c["advice"]["sentence"]
+
+
+def test_without_a_noise_scale_the_curve_names_none_beside_it():
+    runs = [{"global_batch": b, "steps": s} for b, s in ((64, 4), (128, 2), (256, 2))]
+    c = batch_curve.summarize(runs, plan(), {"min_cut": 0.25}, 0.7, None, "c.json")
+    assert c["b_simple"] is None and c["fit"]["points"] == 3
+
+
+def test_an_odd_device_count_has_no_half_and_an_open_interval_says_beyond():
+    """3 devices at 768, B_crit 256 with no upper bound to its interval: the sentence says so,
+    and offers twice the devices and the count nearest the largest paying batch, no half."""
+    adv = batch_curve.advice(768, 3, curve(interval=(180.0, None), global_batch=768, devices=3))
+    assert "(90 % interval 180-beyond)" in adv["sentence"]
+    assert ", half about" not in adv["sentence"]
+    assert [o["devices"] for o in adv["options"]] == [6, 1] and adv["best_devices"] == 1
+
+
+def test_a_plan_already_at_the_batch_that_pays_adds_no_option_of_its_own():
+    """8 devices at 256, the largest paying batch: half and twice the devices, nothing more;
+    without an interval the sentence gives none."""
+    adv = batch_curve.advice(256, 8, curve(interval=None, global_batch=256))
+    assert [o["devices"] for o in adv["options"]] == [4, 16] and adv["best_devices"] == 8
+    assert adv["sentence"].startswith("global batch 256 is 1x the critical batch 256 measured "
+                                      "on this data (results/batch/p4.json), and the largest "
+                                      "batch still cutting the steps 25% per doubling is 256: ")
+    half = adv["options"][0]
+    assert adv["sentence"].endswith(f", half about {half['time']:.2f}x the time at "
+                                    f"{half['cost']:.2f}x the cost")
