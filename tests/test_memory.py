@@ -598,8 +598,11 @@ def test_an_estimated_gpu_batch_is_the_largest_multiple_of_8_within_the_margin()
     assert r["predicted_gpu_bytes"] == sum(r["breakdown"].values()) <= budget
     assert r["breakdown"]["nccl"] == r["breakdown"]["cuda_context"] == 0.5e9  # 4 GPUs
     assert r["measurement"] is None
-    assert r["method_note"].endswith("; plus the stated allowances for the CUDA context, "
-                                     "workspaces and fragmentation")
+    assert r["method_note"] == (
+        "estimated: parameters, gradients and optimizer state counted exactly; activations "
+        "counted exactly on this machine's CPU as the tensors autograd saves "
+        "(saved_tensors_hooks) at the recipe's precision; plus the stated allowances for the "
+        "CUDA context, workspaces and fragmentation")
     assert r["warnings"] == [
         "estimated, not measured: no A10G GPU here; rerun solve_memory on a g5 node for a "
         "measured figure",
@@ -659,12 +662,14 @@ def test_a_warm_up_step_that_runs_out_of_memory_names_the_model_and_the_card():
 @pytest.mark.parametrize("max_batch, batch, limited_by, accumulate", [
     ("auto", 64, "target_global_batch", 1),  # 128 over 2 ranks
     (16, 16, "max_batch", 4),
+    (8, 8, "max_batch", 8),  # memory.round_to itself: no warning
     (4, 4, "max_batch", 16),
 ])
 def test_a_cpu_rank_trains_its_share_of_the_global_batch_up_to_max_batch(max_batch, batch,
                                                                          limited_by, accumulate):
     r = solved(TINY_CPU, max_batch=max_batch)
-    assert (r["per_device_batch"], r["limited_by"]) == (batch, limited_by)
+    assert (r["per_device_batch"], r["estimated_batch"], r["limited_by"]) == \
+        (batch, batch, limited_by)
     assert (r["accumulate_grad_batches"], r["global_batch"]) == (accumulate, 128)
     assert r["capacity_bytes"] is None and r["predicted_gpu_bytes"] is None
     assert r["budget_bytes"] == 64e9 * 0.8 / 2
@@ -694,7 +699,9 @@ def test_a_small_host_ram_lowers_the_loader_and_says_what_still_exceeds_it():
     r = solved(g5(ram_gb=8), loader=loader)
     assert (r["num_workers"], r["prefetch_factor"]) == (0, 0)
     per_process = r["predicted_host_bytes_per_process"]
-    assert per_process > 2e9 and r["host_ram_budget_bytes"] == 8e9 * 0.8
+    assert per_process == memory.host_bytes(128, 0, 0, resolution=32,
+                                            host=memory.host_model(loader), extra=2e9)
+    assert r["host_ram_budget_bytes"] == 8e9 * 0.8
     assert r["warnings"][0] == "loader: slow disk"
     assert r["warnings"][-1] == (f"host RAM: {per_process / 1e9:.2f} GB per process exceeds "
                                  f"the budget of 1.60 GB even with 0 workers")
@@ -718,3 +725,26 @@ def test_the_stage_writes_the_plan_and_logs_it(tmp_path, caplog):
     with pytest.raises(UserError, match="is for cluster 'g5', not 'p4'"):
         memory.run(mem, RESNET18_32, settings.cluster(settings.load(), "p4"), loader,
                    tmp_path / "p4.json")
+
+
+def test_a_card_too_small_for_one_image_says_what_the_margin_leaves():
+    with pytest.raises(UserError) as err:
+        solved(g5(gpu_memory_gb=0.3))
+    msg = str(err.value)
+    assert msg.startswith("Not even a batch of 1 fits on cluster g5: resnet18 at 32 px in 32 "
+                          "needs ")
+    assert msg.endswith(" GB per GPU, over 0.85 x 0.3 GB = 0.26 GB (memory.safety_margin).")
+
+
+def test_the_classes_set_in_the_config_override_the_data_sets():
+    r = solved(g5(), num_classes=100)  # the loader benchmark counted 10
+    assert r["model"]["num_classes"] == 100
+    assert r["model"]["params"] == memory.count_params(recipes.build_model("resnet18", 100))[
+        "params"]
+
+
+def test_bf16_on_a_gpu_that_only_emulates_it_is_refused_before_counting():
+    p3 = settings.cluster(settings.load(), "p3")
+    with pytest.raises(UserError, match="bf16"):
+        memory.solve(settings.load()["memory"], {**RESNET18_32, "precision": "bf16-mixed"}, p3,
+                     loader_report("p3", num_classes=10, resolution=32))
