@@ -210,11 +210,11 @@ def test_resnet50_amp_batch_grows_with_gpu_memory_p3_g5_p4(monkeypatch):
 
 
 def test_accumulation_arithmetic():
-    assert memory.accumulation(1024, 96, 4) == 3  # 96 x 4 x 3 = 1152 >= 1024
-    assert memory.accumulation(1024, 256, 4) == 1
-    assert memory.accumulation(1024, 64, 16) == 1
-    assert memory.accumulation(2048, 40, 8) == 7  # 40 x 8 x 6 = 1920 < 2048
-    assert memory.accumulation(128, 200, 2) == 1
+    assert hardware.accumulation(1024, 96, 4) == 3  # 96 x 4 x 3 = 1152 >= 1024
+    assert hardware.accumulation(1024, 256, 4) == 1
+    assert hardware.accumulation(1024, 64, 16) == 1
+    assert hardware.accumulation(2048, 40, 8) == 7  # 40 x 8 x 6 = 1920 < 2048
+    assert hardware.accumulation(128, 200, 2) == 1
     assert memory.round_down(150, 8) == 144 and memory.round_down(5, 8) == 5
 
 

@@ -222,6 +222,26 @@ def test_the_world_size_is_taken_in_one_place():
         "devices x nodes taken outside hardware.world_size (call it instead):\n" + "\n".join(hits)
 
 
+# A per-device batch times the world, as code spells it: per_device * world, per_device_batch *
+# plan.world_size, world_size * batch (the planned global batch; a count of the images a step
+# saw, `batch[0].shape[0] * trainer.world_size`, is a measurement, not the plan)
+PER_DEVICE, WORLD = r"\bper_device(?:_batch)?\b", r"\bworld(?:_size)?\b"
+GLOBAL_PRODUCT = re.compile(f"{PER_DEVICE}{TIMES}{WORLD}|{WORLD}{TIMES}{PER_DEVICE}")
+
+
+def test_the_global_batch_is_taken_in_one_place():
+    """A per-device batch x world is computed by imgclf.hardware (global_batch, and the
+    accumulation that reaches a target through it) alone: the memory solve, the plan's check,
+    the LR's scaling and the Slurm request then agree on the batch the training LR is for."""
+    hits = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+            for path in sorted(PACKAGE.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if GLOBAL_PRODUCT.search(line)]
+    assert [hit.split(":")[0] for hit in hits] == ["src/imgclf/hardware.py"], \
+        "per-device batch x world taken outside hardware.global_batch (call it):\n" + \
+        "\n".join(hits)
+
+
 # A path into results/ as code spells it ("results/memory/", f"results/{x}"); "results/ that"
 # in a sentence names the folder, not an artifact.
 RESULTS_PATH = re.compile(r"results/([\w{<]|$)")

@@ -217,6 +217,12 @@ def global_batch(per_device: int, world: int, accumulation: int) -> int:
     return per_device * world * accumulation
 
 
+def accumulation(target_global: int, per_device: int, world: int) -> int:
+    """Steps to accumulate so that the global batch of `per_device` on `world` devices reaches
+    the target."""
+    return max(1, math.ceil(target_global / global_batch(per_device, world, 1)))
+
+
 def target_per_device(target_global: int, world: int) -> int:
     """The per-device batch that splits a target global batch over `world` devices without
     accumulation: rounded up, so that the devices together reach the target."""

@@ -25,15 +25,14 @@ Sizes are in GB = 1e9 bytes (`imgclf.hardware.GB`). torch (and the modules that 
 imported inside functions: the Snakefile imports this package to decide whether the rule needs a
 GPU, and parsing the workflow must not pay for importing torch."""
 
-from imgclf.memory.estimate import (GB, accumulation, backward_transient,
-                                    breakdown, count_params, fake_tensor_peak, largest_fitting,
+from imgclf.memory.estimate import (GB, backward_transient, breakdown, count_params, fake_tensor_peak, largest_fitting,
                                     model_profile, round_down, saved_tensor_profile)
 from imgclf.memory.host import fit_loader_to_ram, host_bytes, host_model
 from imgclf.memory.measure import (cuda_device, cuda_step, fit_line, gpus_to_request,
                                    matching_gpu, measure, measure_here, plans_measurement)
 from imgclf.memory.solve import run, solve
 
-__all__ = ["accumulation", "backward_transient", "breakdown", "count_params",
+__all__ = ["backward_transient", "breakdown", "count_params",
            "cuda_device", "cuda_step", "fake_tensor_peak", "fit_line", "fit_loader_to_ram", "GB",
            "gpus_to_request", "host_bytes", "host_model", "largest_fitting", "matching_gpu",
            "measure", "measure_here", "model_profile", "plans_measurement", "round_down",

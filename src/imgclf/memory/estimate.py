@@ -281,9 +281,3 @@ def largest_fitting(total, budget: float, upper: int = 1 << 20) -> int:
 def round_down(batch: int, multiple: int) -> int:
     """`batch` down to a multiple of `multiple` (`memory.round_to`); a smaller batch is kept."""
     return batch - batch % multiple if batch >= multiple else batch
-
-
-def accumulation(target_global: int, per_device: int, world: int) -> int:
-    """Steps to accumulate so that the global batch (hardware.global_batch: per_device x world x
-    steps) reaches the target."""
-    return max(1, math.ceil(target_global / (per_device * world)))

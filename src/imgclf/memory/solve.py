@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 from imgclf import artifacts, hardware, provenance
 from imgclf.errors import UserError
-from imgclf.memory.estimate import (GB, accumulation, breakdown, largest_fitting,
-                                    model_profile, round_down)
+from imgclf.memory.estimate import GB, breakdown, largest_fitting, model_profile, round_down
 from imgclf.memory.host import fit_loader_to_ram, host_bytes, host_model
 from imgclf.memory.measure import cuda_device, measure_here, plans_measurement
 
@@ -70,7 +69,7 @@ class Problem:
         return breakdown(batch, self.prof, resolution=self.train_resolution,
                          state_floats=self.state_floats, world=self.world, memory=self.memory,
                          gpu=self.gpu, ema=self.recipe.ema_decay is not None,
-                         accumulates=accumulation(self.target, batch, self.world) > 1,
+                         accumulates=hardware.accumulation(self.target, batch, self.world) > 1,
                          step_copies=self.step_copies)
 
     def total(self, batch: int) -> int:
@@ -279,7 +278,7 @@ def solve(memory: dict, model: dict, hw: dict, loader: dict, gpu_here=None) -> d
     hardware.check_precision(hw, model["precision"])
     p = problem(memory, model, hw, loader)
     batch = gpu_batch(p, gpu_here) if p.gpu else cpu_batch(p)
-    accum = accumulation(p.target, batch.per_device, p.world)
+    accum = hardware.accumulation(p.target, batch.per_device, p.world)
     loader_fit = fit_loader(p, batch.per_device)
     warnings = ([f"loader: {loader['note']}"] if loader.get("note") else []) + batch.warnings
     warnings += batch_warnings(p, batch.per_device,
