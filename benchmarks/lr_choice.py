@@ -35,14 +35,16 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from imgclf import recipes, settings, slices
+from imgclf.artifacts import Plan, RunShape
 from imgclf.lr import find as lr_find
+from imgclf.lr import grid as lr_grid
 from imgclf.lr import summary as lr_summary
-from imgclf.artifacts import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -130,24 +132,52 @@ def range_tests(work: Path, config: dict, plan: Plan, n: int) -> list[dict]:
     return runs
 
 
-def train(work: Path, config: dict, lr: float, reference: float, seed: int,
-          epochs: int = BUDGET_EPOCHS) -> dict:
-    """One real training (`imgclf train`) at `lr` with the LR-validation budget; cached."""
-    m = lr / reference
-    out = work / "bench" / "train" / f"lr{lr:.5g}_s{seed}"
-    if not (out / "train_summary.json").is_file():
-        params = slices.validate_lr_run_params(config, "local", m)
-        params["train"] = {**params["train"], "lr_source": "recipe", "seed": seed}
-        params["validation"]["budget"] = {"epochs": epochs}
-        subprocess.run([str(BIN / "imgclf"), "train", "--params-json", json.dumps(params),
-                        "--memory", "results/memory/local.json", "--out-dir", str(out)],
-                       cwd=work, check=True, capture_output=True)
-        shutil.rmtree(out / "checkpoints")  # the figures are all this script reads
-        (out / "best.ckpt").unlink()
-    s = json.loads((out / "train_summary.json").read_text())
-    assert math.isclose(s["lr"]["value"], lr, rel_tol=1e-9), (s["lr"], lr)
-    return {"lr": lr, "seed": seed, "val_acc1": s["final"]["val_acc1"],
-            "val_loss": s["final"]["val_loss"]}
+def dataset_config(root: Path) -> dict:
+    """The `dataset` block for an ImageFolder `root`, its counts as expected (the hydration
+    check then holds the benchmark to the set it was prepared from)."""
+    counts = {s: sum(1 for f in (root / s).glob("*/*") if f.is_file()) for s in ("train", "val")}
+    return {"root": str(root), "expected_train": counts["train"], "expected_val": counts["val"],
+            "expected_classes": sum(1 for d in (root / "train").iterdir() if d.is_dir())}
+
+
+def run_training(work: Path, config: dict, plan: Plan, lr: float, seed: int, out: Path,
+                 epochs: int, warmup_fraction: float | None = None) -> dict:
+    """One real training (`imgclf train --run`) at `lr` for `epochs` with the recipe's decay,
+    warming up for `warmup_fraction` of the run (None: the recipe's warm-up epochs); its
+    summary. An interrupted one resumes from its checkpoints (imgclf.train.resume)."""
+    recipe = recipes.get(config["model"]["recipe"])
+    shape = RunShape(
+        what=f"benchmark training at LR {lr:.4g}", per_device_batch=plan.per_device_batch,
+        accumulate_grad_batches=plan.accumulate_grad_batches, epochs=epochs, max_steps=None,
+        limit_train_batches=None, val_every_steps=None, warmup_steps=None,
+        warmup_fraction=warmup_fraction,
+        lr={"value": lr, "source": "benchmark", "detail": f"a point of {Path(sys.argv[0]).name}"},
+        decay=True, average_weights=recipe.ema_decay is not None, stop_below_val_loss=None,
+        seconds=None, record={"lr": lr, "seed": seed})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").write_text(json.dumps(asdict(shape)))
+    params = slices.short_run_params(config, "local", seed)
+    subprocess.run([str(BIN / "imgclf"), "train", "--params-json", json.dumps(params),
+                    "--memory", "results/memory/local.json", "--run", str(out / "run.json"),
+                    "--out-dir", str(out)], cwd=work, check=True, capture_output=True)
+    summary = json.loads((out / "train_summary.json").read_text())
+    shutil.rmtree(out)  # the figures are all the benchmarks read: checkpoints would fill the disk
+    return summary
+
+
+def train(work: Path, config: dict, lr: float, seed: int, epochs: int = BUDGET_EPOCHS) -> dict:
+    """One real training at `lr` for `epochs`, the recipe's schedule compressed into them (its
+    warm-up in proportion); cached in `work`."""
+    cache = work / "bench" / "train" / f"lr{lr:.5g}_s{seed}_{epochs}ep.json"
+    if not cache.is_file():
+        plan = Plan.read(str(work / "results/memory/local.json"), "local")
+        recipe = recipes.get(config["model"]["recipe"])
+        training_epochs = recipe.planned_epochs(config["train"]["epochs"])
+        s = run_training(work, config, plan, lr, seed, cache.with_suffix(""), epochs,
+                         lr_grid.warmup_fraction(recipe, training_epochs))
+        cache.write_text(json.dumps({"lr": lr, "seed": seed, "val_acc1": s["final"]["val_acc1"],
+                                     "val_loss": s["final"]["val_loss"]}))
+    return json.loads(cache.read_text())
 
 
 # --- reading the grid --------------------------------------------------------------------------
@@ -204,11 +234,11 @@ def main() -> None:
     reference = summary["reference_lr"]
 
     def top1(lr):  # mean over the training seeds, in %
-        return 100 * statistics.mean(train(args.work, config, lr, reference, seed)["val_acc1"]
+        return 100 * statistics.mean(train(args.work, config, lr, seed)["val_acc1"]
                                      for seed in range(args.train_seeds))
 
     def loss(lr):
-        return statistics.mean(train(args.work, config, lr, reference, seed)["val_loss"]
+        return statistics.mean(train(args.work, config, lr, seed)["val_loss"]
                                for seed in range(args.train_seeds))
 
     k_lo, k_hi = args.grid

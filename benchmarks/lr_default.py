@@ -51,12 +51,8 @@ MAX_GRID = 8  # octaves: a flat or diverging top-1 would widen the grid forever
 def prepare(work: Path, root: Path, epochs: int) -> dict:
     """The workflow in `work`, run to the memory solve on `root`; the config it ran with."""
     work.mkdir(parents=True, exist_ok=True)
-    counts = {s: sum(1 for f in (root / s).glob("*/*") if f.is_file()) for s in ("train", "val")}
     extra = yaml.safe_load(lr_choice.FAST_LOADER)
-    extra["dataset"] = {"root": str(root), "expected_train": counts["train"],
-                        "expected_val": counts["val"],
-                        "expected_classes": sum(1 for d in (root / "train").iterdir()
-                                                if d.is_dir())}
+    extra["dataset"] = lr_choice.dataset_config(root)
     extra["train"] = {"epochs": epochs}
     stamp = work / "bench.yaml"
     if stamp.is_file() and yaml.safe_load(stamp.read_text()) != extra:
@@ -67,7 +63,7 @@ def prepare(work: Path, root: Path, epochs: int) -> dict:
 
 def full_training(work: Path, config: dict, lr: float, reference: float, epochs: int) -> dict:
     """One real training at `lr` for the planned `epochs` (cached in `work`)."""
-    return lr_choice.train(work, config, lr, reference, seed=0, epochs=epochs)
+    return lr_choice.train(work, config, lr, seed=0, epochs=epochs)
 
 
 def octaves(lr: float, best: float) -> float:
