@@ -394,3 +394,40 @@ def test_options_are_priced_only_where_the_forecast_is_the_entrys():
         "forecast_for_entry": True, "total_s": 3600, "device_hours": 8.0, "world_size": 8,
         "nodes": 2, "price_per_hour": 8.0})
     assert priced["options"][0]["cost_money"] == pytest.approx(8.0 * 1.2 * 2.0)
+
+
+def test_a_short_run_at_twice_the_lr_runs_batch_steps_twice_as_long():
+    """A batch-curve run of 128 per device paced from LR runs at 64: 0.2 s per micro-batch over
+    the assumed scaling 0.85, its loader (4,000 img/s) hidden behind by workers; validation
+    passes of 0.08 s over 2,000 images, 500 a rank: 4 batches, the last one short, or the 2
+    that `limit_val` allows. Without workers, decoding 128 images (0.032 s) adds to each step."""
+    runs, loader = [lr_run()], {"choice": {"images_per_s": 4000}}
+
+    def seconds(p, limit_val=None):
+        return timing.run_seconds(runs, loader, p, G5, batch=128, micro_batches=10,
+                                  validations=2, val_images=2000, limit_val=limit_val)
+
+    step = 0.2 / 0.85
+    assert seconds(plan(4)) == pytest.approx(10 * step + 2 * 4 * 0.08)
+    assert seconds(plan(4), limit_val=2) == pytest.approx(10 * step + 2 * 2 * 0.08)
+    assert seconds(plan(0)) == pytest.approx(10 * (step + 0.032) + 2 * 4 * (0.08 + 0.032))
+
+
+def test_lr_runs_on_two_other_devices_are_both_named():
+    runs = [lr_run(name="NVIDIA H100 80GB HBM3"), lr_run(name="Tesla V100-SXM2-16GB")]
+    assert timing.not_on_entry_device(runs, G5) == (
+        "the LR runs ran on NVIDIA H100 80GB HBM3, Tesla V100-SXM2-16GB, not on entry 'g5''s A10G")
+    laptops = [lr_run(device="cpu", name="cpu (a)"), lr_run(device="cpu", name="cpu (b)")]
+    assert timing.not_on_entry_device(laptops, G5) == \
+        "the LR runs ran on cpu (a), cpu (b), not on a A10G of entry 'g5'"
+    mac = {**G5, "name": "mac", "accelerator": "mps"}
+    assert timing.not_on_entry_device(laptops, mac) == \
+        "the LR runs ran on cpu (a), cpu (b), not on entry 'mac''s mps"
+
+
+def test_a_compiled_training_is_told_what_its_forecast_did_not_time():
+    assert timing.unlike_training({"compile": True}) == {"unlike_training": (
+        "training compiles the model (`train.compile`), which the LR runs timed uncompiled: its "
+        "steps may be faster than forecast, its first ones slower (compilation), neither "
+        "measured here")}
+    assert timing.unlike_training({"compile": False}) == {}
