@@ -431,3 +431,14 @@ def test_a_compiled_training_is_told_what_its_forecast_did_not_time():
         "steps may be faster than forecast, its first ones slower (compilation), neither "
         "measured here")}
     assert timing.unlike_training({"compile": False}) == {}
+
+
+def test_the_forward_pass_is_the_median_over_every_lr_runs_evaluations():
+    slower = lr_run()
+    slower["timing"]["eval_seconds"] = [0.06] * 5
+    assert timing.lr_run_timing([lr_run(), slower, slower])["eval_s"] == pytest.approx(0.06)
+    assert timing.lr_run_timing([lr_run(), lr_run(), slower])["eval_s"] == pytest.approx(0.04)
+    old = {**lr_run(), "run": 3}
+    del old["timing"]
+    with pytest.raises(UserError, match=r"^LR run 3 has no step timing"):
+        timing.lr_run_timing([lr_run(), old])
