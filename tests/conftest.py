@@ -400,12 +400,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def claims_undone(tmp_path, monkeypatch):
     """A GPU claim made in the test's own process (imgclf.devices), undone afterwards: its locks
-    in a folder of the test's own and closed with the test, the environment variables it sets
-    restored as they were (set, then deleted: a delenv of an unset variable records nothing to
-    restore)."""
+    in a folder of the test's own, sticky and writable by all as /tmp is (the claim never makes
+    its folder), and closed with the test, the environment variables it sets restored as they
+    were (set, then deleted: a delenv of an unset variable records nothing to restore)."""
     from imgclf import devices
 
-    monkeypatch.setattr(devices, "LOCK_DIR", tmp_path / "imgclf-gpu-locks")
+    folder = tmp_path / "imgclf-gpu-locks"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    monkeypatch.setattr(devices, "LOCK_DIR", folder)
     for name in (devices.CLAIM_ENV, "CUDA_VISIBLE_DEVICES"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)

@@ -550,25 +550,20 @@ def test_a_gpu_is_free_when_its_job_ends_though_the_job_forked(nvidia_smi, tmp_p
     assert json.loads(nxt.stdout.splitlines()[0])["waited"] == 0
 
 
-def test_the_lock_folder_and_its_files_are_writable_by_every_user_under_umask_022(
-        tmp_path, monkeypatch):
-    """The first user to claim a GPU makes the machine's lock folder and the GPU's lock file;
-    under the common umask 022 both must still let any other user create and lock theirs: a
-    sticky folder writable by all (1777) and a file readable and writable by all (666)."""
+def test_a_lock_file_is_writable_by_every_user_under_umask_022(claims_undone):
+    """The first user to claim a GPU makes its lock file; under the common umask 022 it must
+    still let any other user open and lock it: readable and writable by all (666)."""
     import stat
 
     from imgclf import devices
 
-    monkeypatch.setattr(devices, "LOCK_DIR", tmp_path / "imgclf-gpu-locks")
     before = os.umask(0o022)
     try:
-        folder = devices.lock_dir()
         fd, _ = devices._open_lock(devices.lock_path("GPU-test"))
     finally:
         os.umask(before)
     mode = os.fstat(fd).st_mode
     os.close(fd)
-    assert stat.S_IMODE(folder.stat().st_mode) == 0o1777
     assert stat.S_IMODE(mode) == 0o666
 
 
@@ -734,11 +729,11 @@ def test_a_lock_folder_another_user_could_swap_files_in_is_one_sentence(
     if made != "world-writable, not sticky" and os.getuid() != 0:
         pytest.skip("gives the folder to a second user, which takes root")
     if made == "a link":
+        folder.rmdir()
         (tmp_path / "elsewhere").mkdir(mode=0o1777)
         folder.symlink_to(tmp_path / "elsewhere")
         os.lchown(folder, 65534, 65534)
     else:
-        folder.mkdir()
         folder.chmod(0o777 if made.startswith("world") else 0o1777)
         if made == "by another user":
             os.chown(folder, 65534, 65534)
@@ -753,20 +748,168 @@ def test_a_lock_folder_another_user_could_swap_files_in_is_one_sentence(
     assert not any(folder.iterdir()), "a lock file was made there"
 
 
-def test_a_lock_folder_that_is_roots_link_to_a_sticky_folder_is_used(
-        nvidia_smi, claims_undone, tmp_path):
-    """/tmp is root's link to another folder on some systems: the claim locks there, as no
-    other user can point the link elsewhere."""
+@pytest.mark.parametrize("whose", ["root's", "yours"])
+def test_a_lock_folder_that_is_a_link_to_a_sticky_folder_is_used(
+        nvidia_smi, claims_undone, tmp_path, monkeypatch, whose):
+    """/tmp is root's link to another folder on some systems, and the user's own in many
+    containers: the claim locks where it leads, as no other user can point the link elsewhere.
+    The user's: a link of nobody's, this process taken for nobody."""
     from imgclf import devices
 
     if os.getuid() != 0:
-        pytest.skip("root's own link takes root")
+        pytest.skip("a link of root's or of a second user takes root")
+    devices.LOCK_DIR.rmdir()
     (tmp_path / "elsewhere").mkdir(mode=0o1777)
     devices.LOCK_DIR.symlink_to(tmp_path / "elsewhere")
+    if whose == "yours":
+        os.lchown(devices.LOCK_DIR, 65534, 65534)
+        monkeypatch.setattr(devices.os, "geteuid", lambda: 65534)
     claimed = devices.claim_gpus(1, "test job", poll_s=0.2)
     assert [g["uuid"] for g in claimed] == [GPUS[0]["uuid"]]
-    assert (tmp_path / "elsewhere" / f"imgclf-gpu-{GPUS[0]['uuid']}.lock").read_text() \
-        == f"{os.getpid()}\n"
+    lock = tmp_path / "elsewhere" / f"imgclf-gpu-{GPUS[0]['uuid']}.lock"
+    assert lock.read_text() == f"{os.getpid()}\n"
+
+
+def test_the_hosts_tmp_seen_from_a_rootless_container_is_used(nvidia_smi, claims_undone,
+                                                              monkeypatch):
+    """In a rootless Apptainer or Podman container the host's /tmp, root's, shows as the
+    overflow uid's (nobody's): a sticky folder of that uid is used there, as root's is; outside
+    a user namespace it is the user nobody's, and refused (the parametrized test above)."""
+    from imgclf import devices
+
+    if os.getuid() != 0:
+        pytest.skip("gives the folder to the overflow uid, which takes root")
+    os.chown(devices.LOCK_DIR, devices._overflow_uid(), devices._overflow_uid())
+    monkeypatch.setattr(devices, "_in_user_namespace", lambda: True)
+    claimed = devices.claim_gpus(1, "test job", poll_s=0.2)
+    assert [g["uuid"] for g in claimed] == [GPUS[0]["uuid"]]
+
+
+# Another job's lock on the file at a path, held until a line arrives on its stdin.
+HOLD = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o666)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def hold(path: Path):
+    """Another process holding the lock on the file at `path` (made if missing)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "locked\n"
+    return proc
+
+
+def claimed_elsewhere(uuid: str) -> bool:
+    """Whether a claimer in another process finds the GPU `uuid` of devices.LOCK_DIR held."""
+    import subprocess
+    import sys
+
+    from imgclf import devices
+
+    res = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from imgclf "
+                          "import devices; devices.LOCK_DIR = Path(sys.argv[1]); print(devices."
+                          "_try_lock(devices.lock_path(sys.argv[2])) is None)",
+                          str(devices.LOCK_DIR), uuid], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout == "True\n"
+
+
+def test_a_lock_file_replaced_before_it_was_locked_is_not_claimed(nvidia_smi, claims_undone,
+                                                                  monkeypatch):
+    """Between a job's opening of GPU 0's lock file and its locking, the file is removed (as
+    systemd-tmpfiles ages /tmp) and another job makes a new one and locks it: the first job's
+    lock on the removed file holds no GPU, and it takes GPU 1, not GPU 0 beside the other."""
+    import fcntl
+
+    from imgclf import devices
+
+    path = devices.lock_path(GPUS[0]["uuid"])
+    lockf, other = fcntl.lockf, []
+
+    def replaced_then_locked(f, how):
+        if not other and os.fstat(f.fileno()).st_ino == path.stat().st_ino:
+            path.unlink()
+            other.append(hold(path))
+        return lockf(f, how)
+
+    monkeypatch.setattr(fcntl, "lockf", replaced_then_locked)
+    try:
+        claimed = devices.claim_gpus(1, "test job", poll_s=0.2)
+    finally:
+        for proc in other:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    assert other, "the file was never replaced"
+    assert [g["uuid"] for g in claimed] == [GPUS[1]["uuid"]]
+
+
+def test_a_lock_file_removed_while_held_is_made_again_and_kept_young(nvidia_smi, claims_undone,
+                                                                    monkeypatch):
+    """A job holds GPU 0 and its lock file is removed (a user's `rm`): within a round of the
+    job's guard the file is back at its path, locked, so that another job's claim finds the GPU
+    held, not free; and the guard keeps the file's times recent, which systemd-tmpfiles ages
+    /tmp's files by."""
+    import time
+
+    from imgclf import devices
+
+    monkeypatch.setattr(devices, "GUARD_S", 0.05)
+    spec = json.loads(nvidia_smi.read_text())
+    nvidia_smi.write_text(json.dumps(spec[:1]))
+    devices.claim_gpus(1, "test job", poll_s=0.2)
+    path = devices.lock_path(GPUS[0]["uuid"])
+    os.utime(path, (0, 0))  # 1970: ten days old and more
+    deadline = time.monotonic() + 10
+    while path.stat().st_mtime == 0:
+        assert time.monotonic() < deadline, "the held lock file was never made young"
+        time.sleep(0.05)
+    path.unlink()
+    while not path.exists():
+        assert time.monotonic() < deadline, "the held lock file was never made again"
+        time.sleep(0.05)
+    assert claimed_elsewhere(GPUS[0]["uuid"]), "another job claimed the GPU this job holds"
+
+
+def test_the_waiting_note_names_the_busy_gpus_lock_files(nvidia_smi, claims_undone,
+                                                        monkeypatch, caplog):
+    """A job waiting for a GPU says which lock files are held and how to find their holders,
+    not whose pid a file holds: a file's pid is that of the last of its owner's jobs, while
+    a job of another user may hold it now."""
+    import logging
+    import types
+
+    from imgclf import devices
+
+    class Waited(Exception):
+        pass
+
+    def no_wait(_):
+        raise Waited
+
+    spec = json.loads(nvidia_smi.read_text())
+    nvidia_smi.write_text(json.dumps(spec[:1]))
+    path = devices.lock_path(GPUS[0]["uuid"])
+    path.write_text("4242\n")  # an earlier job of this user's
+    other = hold(path)
+    monkeypatch.setattr(devices, "time", types.SimpleNamespace(
+        sleep=no_wait, monotonic=__import__("time").monotonic, time=__import__("time").time))
+    try:
+        with caplog.at_level(logging.INFO, logger="imgclf.devices"), pytest.raises(Waited):
+            devices.claim_gpus(1, "test job", poll_s=0.2)
+    finally:
+        other.stdin.close()
+        other.wait(timeout=30)
+    note = caplog.messages[-1]
+    assert f"their lock files: {path}; `lslocks` names the processes holding them" in note, note
+    assert "4242" not in note
 
 
 def test_a_node_of_mixed_gpus_runs_each_stage_on_its_entrys_gpu(nvidia_smi, claims_undone,

@@ -5,11 +5,11 @@ jobs run at once (the `gpu` resource), but it does not say which GPU each takes:
 runs that both chose `cuda:0` would each size themselves to 85 % of it and run out of memory.
 So a job claims the devices it uses: an exclusive lock per device (a POSIX record lock, `lockf`,
 on a file named after the device's UUID, held until the process ends, so a killed job frees its
-GPUs), then CUDA_VISIBLE_DEVICES set to the claimed devices before CUDA starts, so the job, and
-every rank Lightning's launcher starts from it, sees exactly those (as cuda:0..n-1). A record
-lock belongs to the process alone: the data-loader workers it forks do not hold it (a `flock`
-they would share, and a worker still shutting down after the job ended would hold the GPU from
-the next job). Under Slurm the scheduler already gives each job its own GPUs: a rank that srun
+GPUs, and kept at its path while held: `_try_lock`, `_keep_held`), then CUDA_VISIBLE_DEVICES
+set to the claimed devices before CUDA starts, so the job, and every rank Lightning's launcher
+starts from it, sees exactly those (as cuda:0..n-1). A record lock belongs to the process
+alone: the data-loader workers it forks do not hold it (a `flock` they would share, and a worker
+still shutting down after the job ended would hold the GPU from the next job). Under Slurm the scheduler already gives each job its own GPUs: a rank that srun
 started among several claims nothing (its GPU follows SLURM_LOCALID, as Lightning does it).
 
 Once claimed, the torch build, the driver and the precision are checked against the devices
@@ -26,6 +26,7 @@ import logging
 import os
 import pwd
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +38,10 @@ log = logging.getLogger(__name__)
 # starts from it (they re-run the same command and must not claim again).
 CLAIM_ENV = "IMGCLF_CLAIMED_GPUS"
 WAIT_LOG_S = 60.0
-_held: list = []  # open lock files: the locks live as long as this process
+# How often a job checks that its lock files are still where a claimer looks for them
+# (`_keep_held`), and makes them young again: systemd-tmpfiles ages /tmp's files by their times.
+GUARD_S = 60.0
+_held: list = []  # (path, open lock file): the locks live as long as this process
 # The GPU locks of this machine: one folder whatever a job's environment. Not
 # tempfile.gettempdir(), which follows TMPDIR: Snakemake sets it for each job from its `tmpdir`
 # resource, and users' differ (pam_tmpdir, per-user scratch), so that two users would each lock
@@ -53,19 +57,12 @@ def lock_path(uuid: str) -> Path:
 
 
 def lock_dir() -> Path:
-    """LOCK_DIR, in which every user creates and locks files: sticky and writable by all,
-    made so whatever the umask of the user who made it where it is missing (private first, as
-    mkdir applies the umask to the mode it is given, so that nobody plants a file before it is
-    sticky), and refused where another user could replace the lock files in it
-    (`check_lock_dir`)."""
-    path = LOCK_DIR
-    try:
-        path.mkdir(mode=0o700)
-        os.chmod(path, 0o1777)
-    except FileExistsError:
-        pass
-    check_lock_dir(path)
-    return path
+    """LOCK_DIR, in which every user creates and locks files, once `check_lock_dir` found that
+    no other user can replace the lock files in it. Never made here: /tmp exists on every
+    Linux, and a folder this user made would be this user's, refused by every other user's job
+    (a test that locks elsewhere makes its folder as /tmp is: tests/conftest.py)."""
+    check_lock_dir(LOCK_DIR)
+    return LOCK_DIR
 
 
 def _owner(uid: int) -> str:
@@ -75,27 +72,59 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
+def _overflow_uid() -> int:
+    """The uid that a user namespace shows for a file whose owner it does not map."""
+    try:
+        return int(Path("/proc/sys/kernel/overflowuid").read_text())
+    except (OSError, ValueError):
+        return 65534
+
+
+def _in_user_namespace() -> bool:
+    """Whether this process runs in a user namespace (a rootless Apptainer or Podman
+    container): its uids are not the host's, all of them one to one."""
+    try:
+        return Path("/proc/self/uid_map").read_text().split() != ["0", "0", "4294967295"]
+    except OSError:
+        return False
+
+
+def _host_owned(st: os.stat_result) -> bool:
+    """Whether a sticky folder is the host's /tmp as a rootless container shows it: owned by
+    the overflow uid, which stands for root (or any host user) outside the container, and only
+    inside a user namespace (outside one, that uid is the `nobody` user, whom daemons run as)."""
+    return (st.st_uid == _overflow_uid() and bool(st.st_mode & stat.S_ISVTX)
+            and _in_user_namespace())
+
+
 def check_lock_dir(path: Path) -> None:
     """Refuse, in one sentence, a lock folder through which another user could make this
     user's GPU job open a file of theirs in place of a lock (and write its pid into it): a
-    symbolic link, not a folder, owned by another user than this one or root (its owner may
-    rename, delete and replace anything in it), or writable by others without the sticky bit
-    (anyone may then replace this user's lock files). Root's own link (/tmp is one on some
-    systems) is as safe as the folder it leads to."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) and st.st_uid == 0:
+    symbolic link of another user's, not a folder, owned by another user than this one or root
+    (its owner may rename, delete and replace anything in it), or writable by others without
+    the sticky bit (anyone may then replace this user's lock files). A link of root's or this
+    user's (/tmp is one on some systems, and in many containers) is as safe as the folder it
+    leads to. Inside a rootless container the host's /tmp shows as the overflow uid's: a
+    sticky folder of that uid is root's there (`_host_owned`)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise UserError(f"The GPU lock folder {path} does not exist: ask root to make it, "
+                        f"sticky and writable by all (`mkdir -m 1777 {path}`).") from None
+    if stat.S_ISLNK(st.st_mode) and st.st_uid in (0, os.geteuid()):
         return check_lock_dir(path.resolve())
     if not stat.S_ISDIR(st.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "no folder"
         raise UserError(f"The GPU lock folder {path} is {kind}, "
                         f"through which another user could make a GPU job overwrite a file: ask "
-                        f"its owner ({_owner(st.st_uid)}) or root to remove it (`rm {path}`), "
-                        f"and the next GPU job makes the folder again.")
+                        f"root to replace it with a folder of root's, sticky and writable by all "
+                        f"(`rm {path} && mkdir -m 1777 {path}`).")
     if st.st_uid not in (0, os.geteuid()):
-        raise UserError(f"The GPU lock folder {path} belongs to user {_owner(st.st_uid)}, who "
-                        f"could replace the lock files in it and make a GPU job of yours "
-                        f"overwrite a file: ask root to give it to root, sticky and writable by "
-                        f"all (`chown root: {path} && chmod 1777 {path}`).")
+        if not _host_owned(st):
+            raise UserError(f"The GPU lock folder {path} belongs to user {_owner(st.st_uid)}, "
+                            f"who could replace the lock files in it and make a GPU job of yours "
+                            f"overwrite a file: ask root to give it to root, sticky and writable "
+                            f"by all (`chown root: {path} && chmod 1777 {path}`).")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
         raise UserError(f"The GPU lock folder {path} is writable by other users but not sticky, "
                         f"so any of them could replace the lock files in it and make a GPU job "
@@ -153,23 +182,84 @@ def _lock_file(path: Path, fd: int) -> tuple[int, bool]:
     return fd, st.st_uid == os.geteuid() and st.st_nlink == 1
 
 
-def _try_lock(uuid: str):
-    """The open lock file of device `uuid`, or None when another process holds it."""
-    fd, mine = _open_lock(lock_path(uuid))
-    f = os.fdopen(fd, "r+")
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd` (not removed, nor replaced)."""
     try:
-        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _try_lock(path: Path):
+    """The open lock file at `path`, locked, or None when another process holds it.
+
+    A lock counts only on the file that `path` names: a file removed between its opening and
+    its locking (systemd-tmpfiles ageing /tmp, a user's `rm`) may have been replaced by a file
+    another job locked meanwhile, so it is let go and the path tried again, and two jobs never
+    hold one GPU through two files. The file written into is only one of this user's own, with
+    the pid of the last of this user's jobs that held it: a job of another user that holds it
+    leaves it as it was, so the file's text never says who holds the GPU (`lslocks` does)."""
+    while True:
+        fd, mine = _open_lock(path)
+        f = os.fdopen(fd, "r+")
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.close()
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                return None
+            raise
+        if _same_file(f.fileno(), path):
+            break
         f.close()
-        if e.errno in (errno.EACCES, errno.EAGAIN):
-            return None
-        raise
-    if mine:  # who holds the GPU, for people; the lock itself is the record lock
+    if mine:
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")
         f.flush()
     return f
+
+
+def _keep_held() -> None:
+    """One round of a job's guard over its locks (`_guard`, every GUARD_S seconds): each held
+    lock file is made young (its times set to now: systemd-tmpfiles removes from /tmp only
+    files whose times are all older than its age, days), and one that is no longer at its path
+    (removed by hand) is locked there again, so that the next claimer finds the GPU held. What
+    no job can prevent is a claim in the seconds between such a removal and this round: that
+    is said in the log, as the two jobs then share the GPU."""
+    held = _held
+    for i, (path, f) in enumerate(list(held)):
+        if f.closed:
+            continue
+        try:
+            os.utime(f.fileno())
+            if _same_file(f.fileno(), path):
+                continue
+            again = _try_lock(path)
+        except (OSError, UserError) as e:
+            log.warning("The GPU lock file %s was removed while this job held its GPU, and "
+                        "could not be made again (%s): another job may claim the GPU beside "
+                        "this one.", path, e)
+            continue
+        if again is None:
+            log.warning("The GPU lock file %s was removed while this job held its GPU, and "
+                        "another job has claimed the GPU since: both now run on it (remove no "
+                        "lock file of a running job).", path)
+            continue
+        held[i] = (path, again)
+        f.close()
+
+
+def _guard() -> None:
+    """Keep this process's locks (`_keep_held`) while it holds any: a daemon thread, which
+    ends with the process or once its locks are closed."""
+    while True:
+        time.sleep(GUARD_S)
+        if not any(not f.closed for _, f in _held):
+            return
+        _keep_held()
 
 
 def started_by_srun() -> bool:
@@ -197,26 +287,31 @@ def claim_gpus(count: int, what: str, entry: dict | None = None,
                         f"on a machine with {count}, or fix the entry's `gpus_per_node`.")
     waited, last_note = 0.0, -WAIT_LOG_S
     while True:
-        held = []
+        held, busy = [], []
         for gpu in gpus:
             if len(held) == count:
                 break
-            lock = _try_lock(gpu["uuid"])
-            if lock is not None:
-                held.append((gpu, lock))
+            path = lock_path(gpu["uuid"])
+            lock = _try_lock(path)
+            if lock is None:
+                busy.append(path)
+            else:
+                held.append((gpu, path, lock))
         if len(held) == count:
             break
-        for _, lock in held:
+        for _, _, lock in held:
             lock.close()
         if waited - last_note >= WAIT_LOG_S:
             log.info("%s: waiting for %d free GPU(s); the others are claimed by running jobs "
-                     "(locks in %s)", what, count, lock_dir())
+                     "(their lock files: %s; `lslocks` names the processes holding them)", what,
+                     count, ", ".join(map(str, busy)))
             last_note = waited
         time.sleep(poll_s)
         waited += poll_s
-    _held.extend(lock for _, lock in held)
+    _held.extend((path, lock) for _, path, lock in held)
+    threading.Thread(target=_guard, name="imgclf-gpu-locks", daemon=True).start()
     claimed = [{**gpu, "waited_s": waited, "claimed_at": round(time.time(), 3)}
-               for gpu, _ in held]
+               for gpu, _, _ in held]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g["uuid"] for g in claimed)
     os.environ[CLAIM_ENV] = json.dumps(claimed)
     log.info("%s: claimed GPU(s) %s", what, ", ".join(f"{g['name']} {g['uuid']}" for g in claimed))
