@@ -88,6 +88,29 @@ def test_the_export_describes_the_recipe_the_checkpoint_trained_with(demo_run, t
     assert ours == trained and ours["interpolation"] == "bilinear", (ours, trained)
 
 
+def test_the_folder_an_interrupted_export_rule_left_is_filled(tmp_path):
+    """The rule's export folder after an interrupted job holds Snakemake's mark alone: the
+    export takes its place as it would an empty folder's (it used to refuse it as holding
+    files no export wrote); the mark beside a file of the user's is still refused."""
+    from imgclf import model_folder
+    from imgclf.errors import UserError
+
+    left = tmp_path / "local"
+    left.mkdir()
+    (left / model_folder.SNAKEMAKE_MARK).touch()
+    new = tmp_path / ".local.new"
+    new.mkdir()
+    for name in FILES:
+        (new / name).write_text(name)
+    model_folder.put_in_place(new, left)
+    assert {p.name for p in left.iterdir()} == FILES
+    assert [p.name for p in tmp_path.iterdir()] == ["local"]
+    (left / "notes.txt").write_text("which run made what\n")
+    (left / model_folder.SNAKEMAKE_MARK).touch()
+    with pytest.raises(UserError, match="notes.txt"):
+        model_folder.check_replaceable(left)
+
+
 def test_the_onnx_check_takes_a_fixed_sample_of_a_large_set(tmp_path):
     """By default the check runs on 1,000 images of a larger validation set (ImageNet's
     50,000 would take the export job hours of CPU), the same ones at every export."""

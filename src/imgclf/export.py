@@ -14,9 +14,11 @@ predict with it, with or without this package.
   evaluation's, of the recipe the checkpoint trained with), the decoder evaluation used, the
   architecture, the validation top-1 and top-5 and the training it came from.
 
-The folder is written beside its final place and swapped into it at the end: a failed export
-leaves the earlier one as it was. It replaces only an earlier export, or an empty folder, never
-a folder with files of the user's (model_folder.check_replaceable)."""
+The folder is written beside its final place and swapped into it at the end: a failed `imgclf
+export` leaves the earlier one as it was (a failed export job of the workflow leaves none:
+Snakemake deletes a rule's output folder before the job starts). It replaces only an earlier
+export, or an empty folder, never a folder with files of the user's
+(model_folder.check_replaceable)."""
 
 from __future__ import annotations
 

@@ -56,15 +56,16 @@ def check_replaceable(folder) -> None:
     """Refuse an export folder that holds anything but an earlier export (`imgclf export
     --out-dir ~/models` would otherwise take other projects' files with it): the export replaces
     an earlier export, fills an empty folder or makes a new one, and refuses any other in one
-    sentence, before it starts and again before it swaps its folder in."""
+    sentence, before it starts and again before it swaps its folder in. Snakemake's mark alone
+    (the folder of an export rule that was interrupted) is an empty folder."""
     folder = Path(folder)
     if not folder.exists() and not folder.is_symlink():
         return
     what = "give `--out-dir` a new folder, an empty one or an earlier export's"
     if folder.is_symlink() or not folder.is_dir():
         raise UserError(f"The export would replace {folder}, which is a file or a link: {what}.")
-    names = sorted(p.name for p in folder.iterdir())
-    foreign = [n for n in names if n not in (*FILES.values(), SNAKEMAKE_MARK)]
+    names = sorted(p.name for p in folder.iterdir() if p.name != SNAKEMAKE_MARK)
+    foreign = [n for n in names if n not in FILES.values()]
     if not names or (not foreign and is_export(folder)):
         return
     raise UserError(f"The export would replace {folder}, which holds files no export wrote "
@@ -73,8 +74,10 @@ def check_replaceable(folder) -> None:
 
 def put_in_place(new: Path, folder) -> None:
     """Swap the finished export `new` (a sibling of `folder`) in: an earlier export moves aside
-    and is deleted only once the new one is in place, so a failure at any point leaves a whole
-    export there (the earlier one, or the new one)."""
+    and is deleted only once the new one is in place, so a failure at any point of `imgclf
+    export` leaves a whole export there (the earlier one, or the new one). Not under Snakemake,
+    which deletes the rule's output folder (a `directory()` output) before the export job
+    starts: a failed export job leaves no export there."""
     folder = Path(folder)
     check_replaceable(folder)  # again: the folder may have gained files during the export
     old = None
