@@ -65,7 +65,7 @@ def file_flaws(root: Path) -> dict[str, Path]:
     corrupt = last_of(root / "train" / "5")
     data = corrupt.read_bytes()
     corrupt.write_bytes(data[:2] + b"\x00" * (len(data) - 2))  # the JPEG markers are gone
-    flaws["corrupt"] = corrupt
+    flaws["not an image (its JPEG markers gone)"] = corrupt
     empty = root / "train" / "7" / "zz_empty.jpg"
     empty.write_bytes(b"")
     flaws["zero bytes"] = empty
@@ -470,7 +470,7 @@ def broken_images(folder: Path) -> dict[Path, str]:
     broken = {folder / "cut.png": (data[:len(data) // 2], "truncated: "),
               folder / "zeroed.png": (data[:100] + bytes(40) + data[140:], "corrupt: broken data"),
               folder / "text.jpg": (b"not an image at all",
-                                    "corrupt: no image format recognised in its bytes")}
+                                    "not an image: no image format recognised in its bytes")}
     for path, (content, _) in broken.items():
         path.write_bytes(content)
     return {path: why for path, (_, why) in broken.items()}

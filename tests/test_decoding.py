@@ -168,3 +168,15 @@ def test_a_file_that_is_no_image_is_said_to_be_none(decoder, tmp_path):
     with pytest.raises(UnidentifiedImageError) as err:
         decoding.reader(decoder)(str(path), None)
     assert str(err.value) == "not an image: no image format recognised in its bytes"
+
+
+def test_the_hydration_check_gives_a_non_image_the_decoders_reason(tmp_path):
+    """A text file named .jpg in the data set: the hydration check's excluded list gives it the
+    reason that training and `imgclf predict` give (it said "corrupt: ..." in other words)."""
+    from PIL import UnidentifiedImageError
+
+    path = tmp_path / "notes.jpg"
+    path.write_text("labelled by the intern\n")
+    with pytest.raises(UnidentifiedImageError) as err:
+        decoding.reader("pil")(str(path), None)
+    assert integrity.check_image(str(path), None) == str(err.value)

@@ -13,7 +13,7 @@ from functools import partial
 
 from imgclf.decoding import UnsupportedMode, to_rgb
 from imgclf.hardware import usable_cpus
-from imgclf.images import TooLarge, open_image
+from imgclf.images import NOT_AN_IMAGE, TooLarge, open_image
 from imgclf.progress import progress
 
 CHUNK = 256  # files per task: few enough round trips, small enough for a smooth progress display
@@ -28,8 +28,8 @@ def check_image(path: str, max_pixels: int | None) -> str | None:
             to_rgb(img)  # what either decoder does with it, so neither fails on it in training
     except (TooLarge, UnsupportedMode) as e:
         return str(e)
-    except UnidentifiedImageError:
-        return "corrupt: no image format recognised in its bytes"
+    except UnidentifiedImageError:  # the reason `imgclf predict` and training give too
+        return NOT_AN_IMAGE
     except OSError as e:  # truncated data, broken stream, permission, I/O error
         text = e.strerror or str(e)
         if e.errno:
