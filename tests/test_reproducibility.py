@@ -72,8 +72,9 @@ def table(name: str) -> str:
 # The jobs downstream of each stage, inclusive (the DAG of Snakefile; REDUCED's LR runs).
 # Each stage's figure is drawn by a rule of its own from the stage's files (plot_*): a stage
 # that reruns redraws it; a figure's edit redraws it alone.
-# the export reads the evaluation's figures and the trained weights
-EXPORT = {"export_model", "all"}
+# the export reads the evaluation's figures and the trained weights; the report's landing page
+# names the export folder
+EXPORT = {"export_model", "report_landing", "all"}
 # the report's landing page reads the evaluation and the training's summary
 EVAL = {"evaluate", "plot_evaluation", table("eval"), "report_landing"} | EXPORT
 TRAIN = {"train_model", "plot_training"} | EVAL
@@ -476,7 +477,7 @@ def landing_page(html: str) -> str:
 def test_report_embeds_every_figure_and_table_with_a_caption(demo_run):
     """The README's report command, as typed (no --cores: the workflow profile has it). It
     opens on the results (top-1, the LR with the LR finder's figure, the training's time
-    against the forecast), built without a docutils warning."""
+    against the forecast, where the model is), built without a docutils warning."""
     from test_commands import run, usage_commands
 
     command = next(c for c in usage_commands() if "--report" in c)
@@ -502,6 +503,8 @@ def test_report_embeds_every_figure_and_table_with_a_caption(demo_run):
     assert re.search(rf'<img [^>]*src="data:image/png;[^"]*base64,{re.escape(figure)}"', page)
     assert re.search(r"training took \d:\d\d:\d\d against the forecast(?:'|&#x27;|&#39;)s "
                      r"\d:\d\d:\d\d \([+-]\d+ %\)", page), page
+    assert re.search(r"model:</th><td[^>]*>results/export/local \(<[^>]+>imgclf predict "
+                     r"results/export/local &lt;images&gt;<", page), page
     assert "WARNING/" not in out(res) and "ERROR/" not in out(res)
     assert "system-message" not in page  # docutils' warnings, shown in the page
 

@@ -19,6 +19,11 @@ SOURCES = {"lr_finder": "the LR finder", "recipe": "the recipe",
            "validation": "the LR validation"}
 
 
+# what reading a fact from its artifact raises when the file is of an older version, edited by
+# hand or gone: that fact is left out, the others stand
+UNREADABLE = (OSError, ValueError, KeyError, TypeError, ZeroDivisionError)
+
+
 def _read(path: str) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -30,40 +35,68 @@ def paths(c: str) -> dict[str, str]:
 
 
 def facts(c: str, made: set[str]) -> list[tuple[str, str]]:
-    """(what, sentence) pairs of hardware entry `c`'s artifacts in `made`."""
-    p, found = paths(c), []
+    """(what, sentence) pairs of hardware entry `c`'s artifacts in `made`. A fact its artifact
+    cannot give (an older or hand-edited summary lacks a key) is left out, never a traceback:
+    a successful run ends on these lines."""
+    p = paths(c)
     figure = f" (figure: {p['figure']})" if p["figure"] in made else ""
-    if p["eval"] in made:
-        d = _read(p["eval"])
-        found.append(("top-1", f"{100 * d['top1']:.1f} % on {d['num_images']} validation "
-                               f"images ({p['eval']})"))
+    found = []
+    for fact in (top1, lr, time_against_forecast, forecast, model):
+        try:
+            found += fact(p, made, figure)
+        except UNREADABLE:
+            continue
+    return found
+
+
+def top1(p: dict, made: set[str], figure: str) -> list[tuple[str, str]]:
+    if p["eval"] not in made:
+        return []
+    d = _read(p["eval"])
+    return [("top-1", f"{100 * d['top1']:.1f} % on {d['num_images']} validation images "
+                      f"({p['eval']})")]
+
+
+def lr(p: dict, made: set[str], figure: str) -> list[tuple[str, str]]:
+    """The training's LR (`figure`: where the LR finder's is, when it chose it), or before
+    training the LR summary's."""
     if p["train"] in made:
-        found += trained(_read(p["train"]), figure)
-    elif p["lr"] in made:
+        t = _read(p["train"])
+        chosen = t["lr"]
+        return [("LR", f"{chosen['value']:.3g} for global batch {t['global_batch']}, from "
+                       f"{SOURCES.get(chosen['source'], chosen['source'])}"
+                       f"{figure if chosen['source'] == 'lr_finder' else ''}")]
+    if p["lr"] in made:
         d = _read(p["lr"])
-        found.append(("LR", f"{d['training_lr']:.3g} for global batch {d['global_batch']}, "
-                            f"from the LR finder{figure}"))
-    if p["forecast"] in made and p["train"] not in made \
-            and (said := _read(p["forecast"]).get("sentence")):
-        found.append(("forecast", f"{said.rstrip('.')} ({p['forecast']})"))
-    if p["export"] in made:
-        found.append(("model", f"{p['export']} (`imgclf predict {p['export']} <images>`)"))
-    return found
+        return [("LR", f"{d['training_lr']:.3g} for global batch {d['global_batch']}, "
+                       f"from the LR finder{figure}")]
+    return []
 
 
-def trained(t: dict, figure: str) -> list[tuple[str, str]]:
-    """The training's LR (`figure`: where the LR finder's is, when it chose it) and its time
-    against the forecast."""
-    lr = t["lr"]
-    found = [("LR", f"{lr['value']:.3g} for global batch {t['global_batch']}, from "
-                    f"{SOURCES.get(lr['source'], lr['source'])}"
-                    f"{figure if lr['source'] == 'lr_finder' else ''}")]
-    vs = t.get("against_forecast") or {}
-    if vs.get("forecast") and vs.get("actual"):
-        expected, actual = vs["forecast"]["seconds"], vs["actual"]["seconds"]
-        found.append(("time", f"training took {hms(actual)} against the forecast's "
-                              f"{hms(expected)} ({100 * (actual / expected - 1):+.0f} %)"))
-    return found
+def time_against_forecast(p: dict, made: set[str], figure: str) -> list[tuple[str, str]]:
+    """The training's time against the forecast it was given, where it had one."""
+    if p["train"] not in made:
+        return []
+    vs = _read(p["train"]).get("against_forecast") or {}
+    if not (vs.get("forecast") and vs.get("actual")):
+        return []
+    expected, actual = vs["forecast"]["seconds"], vs["actual"]["seconds"]
+    return [("time", f"training took {hms(actual)} against the forecast's {hms(expected)} "
+                     f"({100 * (actual / expected - 1):+.0f} %)")]
+
+
+def forecast(p: dict, made: set[str], figure: str) -> list[tuple[str, str]]:
+    """The forecast's sentence, until a training stands beside it."""
+    if p["forecast"] not in made or p["train"] in made:
+        return []
+    said = _read(p["forecast"]).get("sentence")
+    return [("forecast", f"{said.rstrip('.')} ({p['forecast']})")] if said else []
+
+
+def model(p: dict, made: set[str], figure: str) -> list[tuple[str, str]]:
+    if p["export"] not in made:
+        return []
+    return [("model", f"{p['export']} (`imgclf predict {p['export']} <images>`)")]
 
 
 def landing(c: str, made: set[str]) -> str:

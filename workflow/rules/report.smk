@@ -30,11 +30,13 @@ report: report_landing_page(config["cluster"])
 rule report_landing:
     """The report's landing page for a hardware entry: top-1, the training's LR with the LR
     finder's figure, the training's time against its forecast, where the model is (the lines
-    a run prints at its end, from the same artifacts)."""
+    a run prints at its end, from the same artifacts: the export folder among them, so that
+    the page names it)."""
     input:
         eval=layout.evaluation("{cluster}"),
         train=layout.train_summary("{cluster}"),
         figure=layout.lr_figure("{cluster}"),
+        model=layout.export_dir("{cluster}"),
         code=code("headline"),
     output:
         layout.landing("{cluster}"),
