@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import copy_workflow, snakemake
+from conftest import copy_workflow, one_sentence, snakemake
 from imgclf import cli, hardware, settings
 from imgclf.slurm import jobs as slurm_jobs
 from imgclf.slurm import request
@@ -463,3 +463,23 @@ def test_a_short_runs_time_is_read_from_its_shape(tmp_path):
     assert slurm_jobs.run_seconds(shape) == 420.5
     shape.write_text(json.dumps({"max_steps": 8}))  # no estimate: the partition's limit
     assert slurm_jobs.run_seconds(shape) is None
+
+
+def test_imgclf_resources_reads_a_users_own_profile_in_either_form(tmp_path, capsys):
+    """A profile of the user's own: `default-resources` as a mapping (Snakemake takes it) and no
+    `runtime` (the plugin's default then holds) gives the table with its memory and partition;
+    a profile that is not YAML ends in one sentence naming the file, not a traceback."""
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "config.yaml").write_text("executor: slurm\ndefault-resources:\n"
+                                     "  slurm_partition: gpu-a\n  mem_mb_per_cpu: 3000\n")
+    assert cli.main(["resources", "--cluster", "g5", "--profile", str(own)]) in (0, None)
+    out = capsys.readouterr().out
+    assert "gpu-a" in out and "the Slurm plugin's default (the profile sets no runtime)" in out
+    (own / "config.yaml").write_text("default-resources: [runtime=60\n")
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["resources", "--cluster", "g5", "--profile", str(own)])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and "Traceback" not in err
+    assert f"Profile file {own / 'config.yaml'} is not valid YAML" in err and one_sentence(
+        err.strip().splitlines()[-1]), err

@@ -13,11 +13,10 @@
 # compute node has), so under Slurm the CPUs go as the `cpus_per_task` resource, which the plugin
 # takes before threads; inside the allocation the job runs with `--cores all` and gets its
 # threads back.
-# `imgclf resources --cluster <entry>` prints what each rule asks for on an entry, and why
-# (imgclf.slurm.request, which names each rule's functions from here).
-from imgclf import budget
-from imgclf import memory as memory_solve
+# The CPUs and GPUs of each kind are computed in imgclf.slurm.request, which
+# `imgclf resources --cluster <entry>` prints for every rule on an entry, and why.
 from imgclf.slurm import jobs as slurm_jobs
+from imgclf.slurm import request as slurm_request
 
 # GPU jobs (LR-finder runs, LR validation runs, training) share this machine's GPUs: without a
 # `gpu` pool from the user (--resources gpu=N, or a profile), the pool is the GPUs detected here,
@@ -26,60 +25,59 @@ from imgclf.slurm import jobs as slurm_jobs
 slurm_jobs.declare_gpu_pool(workflow)
 
 
-def node_cpus(wildcards):
-    """Threads of a job that takes its node's CPUs: the entry's `cpus_per_node`."""
-    return hw(wildcards)["cpus_per_node"]
-
-
 def device_cpus(wildcards):
-    """Threads of a job of one device: one device's share of its node's CPUs (run here, at most
-    this machine's cores per GPU: slurm_jobs.job_device_cpus)."""
+    """One device's share of its node's CPUs (run here, at most this machine's cores per GPU:
+    slurm_jobs.job_device_cpus)."""
     return slurm_jobs.job_device_cpus(workflow, hw(wildcards))
 
 
-def rank_cpus(wildcards):
-    """Threads of a job that computes on one device: one GPU's share of the node's CPUs, or an
-    entry of CPU ranks' node, whose CPUs compute."""
-    return (
-        node_cpus(wildcards)
-        if hw(wildcards)["accelerator"] == "cpu"
-        else device_cpus(wildcards)
+def job_threads(kind, wildcards, task=0):
+    """The threads of a job of `kind` (a function of slurm_request.THREADS, the one source of
+    each kind's CPUs, which `imgclf resources` shows): its `task`'s (an LR run's)."""
+    counts, _ = slurm_request.THREADS[kind](
+        hw(wildcards),
+        config,
+        device_cpus(wildcards),
+        slurm_jobs.workflow_on_slurm(workflow),
     )
+    return counts[task]
+
+
+def node_cpus(wildcards):
+    """A job that takes its node's CPUs: the entry's `cpus_per_node`."""
+    return job_threads("node_cpus", wildcards)
+
+
+def rank_cpus(wildcards):
+    """A job that computes on one device: one GPU's share, or a CPU-rank entry's node."""
+    return job_threads("rank_cpus", wildcards)
 
 
 def forecast_cpus(wildcards):
-    """The forecast times an entry of CPU ranks here (its node's CPUs); a GPU entry's it
-    computes in a second (one)."""
-    return node_cpus(wildcards) if hw(wildcards)["accelerator"] == "cpu" else 1
+    """The forecast: a CPU-rank entry's node (it times the ranks); one CPU for a GPU entry."""
+    return job_threads("forecast_cpus", wildcards)
 
 
 def lr_run_cpus(wildcards):
-    """An LR run on one GPU: one GPU's share of the node. On CPU ranks the runs share the node's
-    cores in rounds, none left idle (budget.threads_for_run)."""
-    entry = hw(wildcards)
-    if entry["accelerator"] != "cpu":
-        return device_cpus(wildcards)
-    runs = config["lr_finder"]["runs"]
-    return budget.threads_for_run(int(wildcards.run), runs, entry["cpus_per_node"])
-
-
-def memory_gpus(wildcards):
-    """The memory solve asks for a GPU where it may measure on one (memory.gpus_to_request)."""
-    return memory_solve.gpus_to_request(
-        config["memory"], hw(wildcards), slurm_jobs.workflow_on_slurm(workflow)
-    )
+    """An LR run: one GPU's share; on CPU ranks its round's share of the node's cores."""
+    return job_threads("lr_run_cpus", wildcards, int(wildcards.run))
 
 
 def memory_cpus(wildcards):
     """One GPU's share where the memory solve measures on a GPU; one CPU where it estimates."""
-    return device_cpus(wildcards) if memory_gpus(wildcards) else 1
+    return job_threads("memory_cpus", wildcards)
+
+
+def memory_gpus(wildcards):
+    """The memory solve asks for a GPU where it may measure on one."""
+    return slurm_request.memory_gpus(
+        hw(wildcards), config, slurm_jobs.workflow_on_slurm(workflow)
+    )
 
 
 def one_device(wildcards):
-    """The devices a one-device job of the entry asks for: 1 with GPUs (or Apple's MPS, the
-    local pool's one device), 0 for an entry of CPU ranks, which a CPU partition without GPUs
-    must accept."""
-    return int(hw(wildcards)["accelerator"] != "cpu")
+    """1 device with GPUs (or Apple's MPS), 0 for an entry of CPU ranks."""
+    return slurm_request.one_device(hw(wildcards), config)
 
 
 def slurm_cpus(threads):

@@ -63,44 +63,48 @@ LOCAL_RULES = ("train_settings", "validate_lr_shape", "validate_lr_edge",
                "plot_training", "plot_evaluation", "report_table", "report_landing")
 
 
-# --- the CPUs of each kind of job, under Slurm (resources.smk's functions of the same name) ---
+# --- the CPUs and GPUs of each kind of job: the one source of resources.smk's functions --------
+# Each takes the entry, the config and `device`, one device's share of its node's CPUs as the
+# submission sees it (under Slurm the entry's share, hardware.device_cpus; run here at most this
+# machine's cores per GPU, slurm.jobs.job_device_cpus), and gives the CPUs of each of the job's
+# tasks (one per LR run) and why.
 
 def _cpu_ranks(entry: dict) -> bool:
     return entry["accelerator"] == "cpu"
 
 
-def node_cpus(entry, config):
+def node_cpus(entry, config, device, on_slurm=True):
     return [int(entry["cpus_per_node"])], "the whole node: it decodes on every CPU"
 
 
-def device_cpus_of(entry, config):
-    return [device_cpus(entry)], "one device's share of the node"
+def device_cpus_of(entry, config, device, on_slurm=True):
+    return [device], "one device's share of the node"
 
 
-def rank_cpus(entry, config):
+def rank_cpus(entry, config, device, on_slurm=True):
     if _cpu_ranks(entry):
         return [int(entry["cpus_per_node"])], "the whole node: CPU ranks compute on it"
-    return [device_cpus(entry)], "one GPU's share of the node"
+    return [device], "one GPU's share of the node"
 
 
-def forecast_cpus(entry, config):
+def forecast_cpus(entry, config, device, on_slurm=True):
     if _cpu_ranks(entry):
         return [int(entry["cpus_per_node"])], "the whole node: it times the CPU ranks"
     return [1], "one CPU: it computes in a second"
 
 
-def lr_run_cpus(entry, config):
+def lr_run_cpus(entry, config, device, on_slurm=True):
     runs = config["lr_finder"]["runs"]
     if not _cpu_ranks(entry):
-        return [device_cpus(entry)] * runs, f"one GPU's share of the node, each of {runs} runs"
+        return [device] * runs, f"one GPU's share of the node, each of {runs} runs"
     cpus = int(entry["cpus_per_node"])
     return ([budget.threads_for_run(run, runs, cpus) for run in range(runs)],
             f"the {runs} runs share the node's CPUs in rounds")
 
 
-def memory_cpus(entry, config):
-    if memory_gpus(entry, config):
-        return [device_cpus(entry)], "one GPU's share: it measures on the GPU"
+def memory_cpus(entry, config, device, on_slurm=True):
+    if memory_gpus(entry, config, on_slurm):
+        return [device], "one GPU's share: it measures on the GPU"
     return [1], "one CPU: it estimates (`memory.mode`, or no GPU)"
 
 
@@ -109,14 +113,15 @@ THREADS = {"node_cpus": node_cpus, "device_cpus": device_cpus_of, "rank_cpus": r
            "memory_cpus": memory_cpus}
 
 
-def one_device(entry, config) -> int:
-    """One GPU, or none for an entry of CPU ranks, which a CPU partition must accept."""
+def one_device(entry, config, on_slurm=True) -> int:
+    """One GPU (or Apple's MPS, the local pool's one device), or none for an entry of CPU ranks,
+    which a CPU partition without GPUs must accept."""
     return int(entry["accelerator"] != "cpu")
 
 
-def memory_gpus(entry, config) -> int:
-    """The memory solve's GPU: one where it may measure on one, as submitted to Slurm."""
-    return gpus_to_request(config["memory"], entry, True)
+def memory_gpus(entry, config, on_slurm=True) -> int:
+    """The memory solve's GPU: one where it may measure on one (memory.gpus_to_request)."""
+    return gpus_to_request(config["memory"], entry, on_slurm)
 
 
 GPUS = {"one_device": one_device, "memory_gpus": memory_gpus}
@@ -146,7 +151,13 @@ def profile_defaults(profile: Path) -> tuple[dict, dict]:
     except FileNotFoundError:
         raise UserError(f"Profile file {path} does not exist: give `imgclf resources "
                         f"--profile` the folder of your Slurm profile.") from None
-    pairs = (item.split("=", 1) for item in data.get("default-resources", []))
+    except yaml.YAMLError as e:
+        raise UserError(f"Profile file {path} is not valid YAML ({str(e).splitlines()[0]}): "
+                        f"fix it, as Snakemake would refuse it too.") from None
+    given = data.get("default-resources") or []
+    # Snakemake takes either form: a list of `key=value` or a mapping
+    pairs = given.items() if isinstance(given, dict) else \
+        (str(item).split("=", 1) for item in given if "=" in str(item))
     return ({k.strip(): _value(v) for k, v in pairs},
             {rule: {k: _value(v) for k, v in res.items()}
              for rule, res in (data.get("set-resources") or {}).items()})
@@ -164,7 +175,7 @@ def requests(config: dict, entry: dict, profile=PROFILE) -> list[Request]:
     defaults, per_rule = profile_defaults(profile)
     out = []
     for job in JOBS:
-        counts, why = THREADS[job.threads](entry, config) if job.threads else \
+        counts, why = THREADS[job.threads](entry, config, device_cpus(entry)) if job.threads else \
             ([None], "no share of a node: the profile's defaults")
         for cpus in sorted(set(counts), key=counts.index):
             res, threads, why_job = _resources(job, entry, config, cpus, why)
@@ -201,7 +212,8 @@ def _training_why(job: Job) -> str:
 def _time(job: Job, res: dict) -> str:
     """The time column: the profile's, or what a run's artifact decides and its cap."""
     if job.time == "profile":
-        return f"{res['runtime']} min (profile)"
+        return f"{res['runtime']} min (profile)" if "runtime" in res else \
+            "the Slurm plugin's default (the profile sets no runtime)"
     source = ("forecast (none: the cap)" if job.time == "forecast" else
               "step budget at the measured pace (run.json `seconds`)")
     return (f"{source} x {jobs.RUNTIME_MARGIN:g} + {jobs.STARTUP_MINUTES} min, capped at "
@@ -229,7 +241,8 @@ def _cpus(res: dict, threads: int) -> str:
 
 def _memory(res: dict) -> str:
     if res.get("mem_mb_per_cpu"):
-        per_task = res["mem_mb_per_cpu"] * res["cpus_per_task"] * MIB / GB
+        # a job that sets no CPUs gets Slurm's default of one per task
+        per_task = res["mem_mb_per_cpu"] * res.get("cpus_per_task", 1) * MIB / GB
         each = " a task" if res.get("nodes") else ""
         return f"{res['mem_mb_per_cpu']:,} MiB/CPU ({per_task:.1f} GB{each})"
     return f"{res.get('mem_mb', 0):,} MiB (profile)"
