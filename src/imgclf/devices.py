@@ -1,16 +1,15 @@
 """The device a stage runs on and the precision it computes in: one layer for every stage.
 
 Which GPUs a job uses, when several jobs share one machine's GPUs. Snakemake caps how many GPU
-jobs run at once (the `gpu` resource), but it does not say which GPU each takes: two LR-finder
-runs that both chose `cuda:0` would each size themselves to 85 % of it and run out of memory.
-So a job claims the devices it uses: an exclusive lock per device (a POSIX record lock, `lockf`,
-on a file named after the device's UUID, held until the process ends, so a killed job frees its
-GPUs, and kept at its path while held: `_try_lock`, `_keep_held`), then CUDA_VISIBLE_DEVICES
-set to the claimed devices before CUDA starts, so the job, and every rank Lightning's launcher
-starts from it, sees exactly those (as cuda:0..n-1). A record lock belongs to the process
-alone: the data-loader workers it forks do not hold it (a `flock` they would share, and a worker
-still shutting down after the job ended would hold the GPU from the next job). Under Slurm the scheduler already gives each job its own GPUs: a rank that srun
-started among several claims nothing (its GPU follows SLURM_LOCALID, as Lightning does it).
+jobs run at once (the `gpu` resource), not which GPU each takes: two LR-finder runs that both
+chose `cuda:0` would each size themselves to 85 % of it and run out of memory. So a job claims
+its devices: an exclusive lock per device (a POSIX record lock, `lockf`, on a file named after
+the device's UUID, held until the process ends, so a killed job frees its GPUs, and kept at its
+path while held: `_try_lock`, `_keep_held`), then CUDA_VISIBLE_DEVICES set to them before CUDA
+starts, so the job and every rank Lightning's launcher starts from it see exactly those. A
+record lock belongs to the process alone: the loader workers it forks do not hold it (a `flock`
+they would share, and a worker still shutting down would hold the GPU from the next job). Under
+Slurm the scheduler gives each job its GPUs: a rank srun started claims nothing.
 
 Once claimed, the torch build, the driver and the precision are checked against the devices
 (`claim_device`), before the stage's first CUDA call. The config's `model.precision` maps to
@@ -38,9 +37,7 @@ log = logging.getLogger(__name__)
 # starts from it (they re-run the same command and must not claim again).
 CLAIM_ENV = "IMGCLF_CLAIMED_GPUS"
 WAIT_LOG_S = 60.0
-# How often a job checks that its lock files are still where a claimer looks for them
-# (`_keep_held`), and makes them young again: systemd-tmpfiles ages /tmp's files by their times.
-GUARD_S = 60.0
+GUARD_S = 60.0  # how often a job keeps its lock files young and at their paths (`_keep_held`)
 _held: list = []  # (path, open lock file): the locks live as long as this process
 # The GPU locks of this machine: one folder whatever a job's environment. Not
 # tempfile.gettempdir(), which follows TMPDIR: Snakemake sets it for each job from its `tmpdir`
@@ -223,12 +220,10 @@ def _try_lock(path: Path):
 
 
 def _keep_held() -> None:
-    """One round of a job's guard over its locks (`_guard`, every GUARD_S seconds): each held
-    lock file is made young (its times set to now: systemd-tmpfiles removes from /tmp only
-    files whose times are all older than its age, days), and one that is no longer at its path
-    (removed by hand) is locked there again, so that the next claimer finds the GPU held. What
-    no job can prevent is a claim in the seconds between such a removal and this round: that
-    is said in the log, as the two jobs then share the GPU."""
+    """One round of a job's guard over its locks (`_guard`): each held lock file made young
+    (systemd-tmpfiles removes from /tmp only files whose times are all older than its age), and
+    one no longer at its path (removed by hand) locked there again, so that the next claimer
+    finds the GPU held. A claim between such a removal and this round is said in the log."""
     held = _held
     for i, (path, f) in enumerate(list(held)):
         if f.closed:
@@ -253,8 +248,7 @@ def _keep_held() -> None:
 
 
 def _guard() -> None:
-    """Keep this process's locks (`_keep_held`) while it holds any: a daemon thread, which
-    ends with the process or once its locks are closed."""
+    """Keep this process's locks (`_keep_held`) while it holds any: a daemon thread."""
     while True:
         time.sleep(GUARD_S)
         if not any(not f.closed for _, f in _held):
