@@ -918,6 +918,17 @@ MUTATIONS = [
              '',
              ('tests/test_reproducibility.py::test_report_embeds_every_figure_and_table_with_a_caption',),
              "the report's landing page never said where the model is: the export folder was not among its rule's inputs"),
+    # --- imgclf resources: a user's own profile ---
+    Mutation('resources-profile-yaml-error-traceback', 'src/imgclf/slurm/request.py',
+             '    except yaml.YAMLError as e:\n',
+             '    except KeyError as e:\n',
+             ('tests/test_slurm_shapes.py::test_imgclf_resources_reads_a_users_own_profile_in_either_form',),
+             "a Slurm profile that is not YAML ended imgclf resources in a traceback"),
+    Mutation('resources-profile-without-runtime-traceback', 'src/imgclf/slurm/request.py',
+             'if "runtime" in res else',
+             'if True else',
+             ('tests/test_slurm_shapes.py::test_imgclf_resources_reads_a_users_own_profile_in_either_form',),
+             "a profile without a default runtime ended imgclf resources in a KeyError"),
 ]
 
 
