@@ -570,8 +570,8 @@ def solved(hw: dict, gpu_here=None, loader: dict | None = None, **memory_config)
     estimated unless a device is given."""
     config = settings.load()
     mem = config["memory"] | {"mode": "estimate"} | memory_config
-    loader = loader or loader_report(hw["name"], num_classes=10, resolution=32,
-                                     **({"workers": 0, "prefetch": 0} if hw is TINY_CPU else {}))
+    no_workers = {"workers": 0, "prefetch": 0} if hw["accelerator"] == "cpu" else {}
+    loader = loader or loader_report(hw["name"], num_classes=10, resolution=32, **no_workers)
     return memory.solve(mem, RESNET18_32, hw, loader, gpu_here=gpu_here)
 
 
@@ -677,7 +677,8 @@ def test_a_cpu_rank_trains_its_share_of_the_global_batch_up_to_max_batch(max_bat
     assert r["warnings"][0] == (
         "cluster tinycpu has no GPU: the per-rank batch is the recipe's global batch 128 split "
         "over 2 CPU ranks, capped by the host RAM budget; no GPU memory to fit")
-    noisy = "per-device batch 4 is below memory.round_to (8): batch norm statistics get noisy"
+    noisy = f"per-device batch {batch} is below memory.round_to (8): batch norm statistics " \
+        "get noisy"
     assert (noisy in r["warnings"]) == (batch < 8)
 
 
@@ -710,6 +711,8 @@ def test_a_small_host_ram_lowers_the_loader_and_says_what_still_exceeds_it():
 def test_the_stage_writes_the_plan_and_logs_it(tmp_path, caplog):
     import logging
 
+    from imgclf import provenance
+
     loader = tmp_path / "loader.json"
     loader.write_text(json.dumps(loader_report("g5", num_classes=10, resolution=32)))
     mem = settings.load()["memory"] | {"mode": "estimate"}
@@ -718,8 +721,12 @@ def test_the_stage_writes_the_plan_and_logs_it(tmp_path, caplog):
     written = json.loads((tmp_path / "g5.json").read_text())
     assert written["per_device_batch"] == r["per_device_batch"] == 128
     assert str(loader) in written["provenance"]["inputs"]
-    assert "g5: per-device batch 128 x 4 devices x 1 nodes x accumulation 1 = 512 (estimated)" \
-        in caplog.text
+    said = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.INFO]
+    assert said[-1] == \
+        "g5: per-device batch 128 x 4 devices x 1 nodes x accumulation 1 = 512 (estimated)"
+    # what the plan was solved from, as its provenance digests it (an edit of any replans)
+    assert written["provenance"]["config_digest"] == provenance.digest_obj(
+        {"memory": mem, "model": RESNET18_32, "hw": g5()})
     warned = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
     assert warned == r["warnings"] and len(warned) == 2
     with pytest.raises(UserError, match="is for cluster 'g5', not 'p4'"):
@@ -748,3 +755,33 @@ def test_bf16_on_a_gpu_that_only_emulates_it_is_refused_before_counting():
     with pytest.raises(UserError, match="bf16"):
         memory.solve(settings.load()["memory"], {**RESNET18_32, "precision": "bf16-mixed"}, p3,
                      loader_report("p3", num_classes=10, resolution=32))
+
+
+def cpu_rank_bytes(batch: int) -> float:
+    """A CPU rank's host memory at `batch` on TINY_CPU with no loader workers, as the solve
+    counts it: ResNet-18 at 32 px training beside the process's own baseline."""
+    from imgclf.memory.solve import problem
+
+    loader = loader_report("tinycpu", num_classes=10, workers=0, prefetch=0, resolution=32)
+    p = problem(settings.load()["memory"], RESNET18_32, TINY_CPU, loader)
+    return memory.host_bytes(batch, 0, 0, resolution=32, host=memory.host_model(loader),
+                             extra=p.total(batch))
+
+
+@pytest.mark.parametrize("fits, batch, limited_by", [
+    (1, 1, "host_ram"),                # one image a rank: trains, accumulating 64
+    (64, 64, "target_global_batch"),   # exactly its share of the global batch
+])
+def test_a_cpu_rank_trains_the_largest_batch_its_ram_holds_down_to_one(fits, batch,
+                                                                       limited_by):
+    ram_gb = (cpu_rank_bytes(fits) + cpu_rank_bytes(fits + 1)) / 2 * 2 / 0.8 / 1e9
+    r = solved({**TINY_CPU, "ram_gb": ram_gb})
+    assert (r["largest_fitting_batch"], r["per_device_batch"], r["limited_by"]) == \
+        (fits, batch, limited_by)
+    assert r["global_batch"] == 128
+
+
+def test_a_cpu_rank_too_small_says_what_one_image_needs():
+    with pytest.raises(UserError) as err:
+        solved({**TINY_CPU, "ram_gb": 0.5})
+    assert f"needs {cpu_rank_bytes(1) / 1e9:.2f} GB per CPU rank" in str(err.value)
