@@ -57,6 +57,14 @@ def _saved_bytes(model, x, y, loss_fn, precision: str, owned: set) -> dict:
     return {"sizes": sizes, "dtypes": dtypes, "params_at": params_at}
 
 
+# The precision a profile is counted in on the CPU: float16 as bfloat16, whose elements are as
+# large and whose ops CPU autocast lowers alike (one op list for both), while the CPU's float16
+# kernels run about ten times slower (docs/benchmarks.md, "The estimate against PyTorch's own
+# count"); the bytes are reported under the planned dtype's name.
+COUNTED_AS = {"16-mixed": "bf16-mixed"}
+AS_COUNTED = {("16-mixed", "bfloat16"): "float16"}
+
+
 def saved_tensor_profile(model, make_batch, loss_fn, precision: str = "32",
                          batches: tuple[int, int] = (2, 3), channels_last: bool = False) -> dict:
     """Bytes autograd saves for backward in one forward + loss, split into a fixed part and a
@@ -75,7 +83,8 @@ def saved_tensor_profile(model, make_batch, loss_fn, precision: str = "32",
         x, y = make_batch(b)
         if channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
-        runs.append({"batch": b, **_saved_bytes(model, x, y, loss_fn, precision, owned)})
+        runs.append({"batch": b, **_saved_bytes(model, x, y, loss_fn, COUNTED_AS.get(
+            precision, precision), owned)})
     (b1, r1), (b2, r2) = [(r["batch"], r) for r in runs]
     total1, total2 = sum(r1["sizes"]), sum(r2["sizes"])
     per_sample = (total2 - total1) / (b2 - b1)
@@ -87,7 +96,9 @@ def saved_tensor_profile(model, make_batch, loss_fn, precision: str = "32",
     points = backward_points(saved, r2["params_at"])
     return {"per_sample_bytes": per_sample, "fixed_bytes": max(0.0, total1 - per_sample * b1),
             "backward_points": points, "tensors_saved": len(r2["sizes"]),
-            "bytes_by_dtype": r2["dtypes"], "batches": list(batches), "precision": precision,
+            "bytes_by_dtype": {AS_COUNTED.get((precision, k), k): v
+                               for k, v in r2["dtypes"].items()},
+            "batches": list(batches), "precision": precision,
             "counted_on": "cpu"}
 
 
