@@ -287,6 +287,19 @@ def test_dry_run_as_typed(command, work):
     assert planned_target(command) in res.stdout, res.stdout[-3000:]
 
 
+def test_the_lr_finders_batch_override_reaches_its_runs_and_summary(work, real_runs):
+    """`imgclf lr-find --batch-size` as the documents type it (the manual escape hatch after an
+    OOM): each range test at that batch with its own seed, and `lr-summary` reads them as found
+    at it. Before the commands after it, which plan the LR runs again."""
+    _, res = real_runs("imgclf lr-summary --cluster g5")
+    assert res.returncode == 0 and "chosen LR" in res.stdout, res.stderr[-2000:]
+    runs = [json.loads((work / f"results/lr/g5/run{i}.json").read_text()) for i in range(3)]
+    assert [r["batch_size"] for r in runs] == [32] * 3 and [r["seed"] for r in runs] == [0, 1, 2]
+    summary = json.loads((work / "results/lr/g5_summary.json").read_text())
+    assert summary["lr_finder_batch"] == 32
+    assert (work / "results/lr/g5.png").exists()
+
+
 @pytest.mark.parametrize("command", [c for c, how in HOW.items() if how in (REAL, APART)],
                          ids=lambda command: command.replace("\n", "; "))
 def test_real_run_as_typed(command, real_runs):

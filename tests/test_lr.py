@@ -489,29 +489,6 @@ def test_lr_stage_reports_progress_in_plain_lines(demo_run):
     assert "it/s]" not in out and f"LR range test 0: {lines[-1]}" in out
 
 
-def test_cli_lr_find_batch_override_and_summary(through_memory, tmp_path):
-    """`imgclf lr-find --batch-size` (the manual escape hatch after an OOM) and `lr-summary`."""
-    import subprocess
-
-    from conftest import BIN
-
-    cfg = tmp_path / "short.yaml"
-    cfg.write_text("lr_finder: {num_iter: 20, skip_start: 2, skip_end: 2}\n" + SMALL_MODEL)
-    out = tmp_path / "lr" / "local"
-    common = ["--cluster", "local", "--configfile", str(cfg), "--out-dir", str(out)]
-    res = subprocess.run([str(BIN / "imgclf"), "lr-find", "--runs", "2", "--batch-size", "16",
-                          *common], cwd=through_memory, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    runs = [json.loads((out / f"run{i}.json").read_text()) for i in range(2)]
-    assert [r["batch_size"] for r in runs] == [16, 16] and [r["seed"] for r in runs] == [0, 1]
-    res = subprocess.run([str(BIN / "imgclf"), "lr-summary", *common], cwd=through_memory,
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    summary = json.loads((tmp_path / "lr" / "local_summary.json").read_text())
-    assert summary["lr_finder_batch"] == 16 and "chosen LR" in res.stdout
-    assert (tmp_path / "lr" / "local.png").exists()
-
-
 def test_finder_takes_the_mixed_precision_arguments_of_the_gpu_path():
     """The arguments the GPU path passes torch-lr-finder (amp_backend, amp_config, grad_scaler:
     torch-lr-finder 0.2.2 and later), exercised on the CPU with bfloat16 autocast, so that a
