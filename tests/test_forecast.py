@@ -442,3 +442,8 @@ def test_the_forward_pass_is_the_median_over_every_lr_runs_evaluations():
     del old["timing"]
     with pytest.raises(UserError, match=r"^LR run 3 has no step timing"):
         timing.lr_run_timing([lr_run(), old])
+
+
+def test_one_device_is_forecast_without_a_scaling_efficiency_and_says_so():
+    assert timing.efficiency_of(G5, plan(8, devices=1), None) == {"value": 1.0,
+                                                                   "source": "one device"}
