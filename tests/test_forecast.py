@@ -447,3 +447,26 @@ def test_the_forward_pass_is_the_median_over_every_lr_runs_evaluations():
 def test_one_device_is_forecast_without_a_scaling_efficiency_and_says_so():
     assert timing.efficiency_of(G5, plan(8, devices=1), None) == {"value": 1.0,
                                                                    "source": "one device"}
+
+
+def test_the_bill_counts_whole_training_batches_and_every_validation_batch():
+    """25,700 training images on 4 ranks of 64: 100 full batches a rank (the ragged 101st is
+    dropped), 2,600 validation images: 11 batches (the last one short); the limits cap each.
+    100 epochs of them bill hours to the thousandth."""
+    def counted(**limits):
+        return timing.plan_forecast(
+            timing={"compute_s": 0.1, "eval_s": 0.03}, loader_rate=1e6, plan=plan(8), hw=G5,
+            efficiency={"value": 1.0}, train_images=25700, val_images=2600, epochs=100,
+            limits={"train": None, "val": None} | limits)
+
+    f = counted()
+    assert (f["train_batches_per_epoch"], f["val_batches_per_epoch"]) == (100, 11)
+    hours = 100 * (100 * 0.1 + 11 * 0.03) / 3600
+    assert (f["device_hours"], f["node_hours"]) == (round(4 * hours, 3), round(hours, 3))
+    limited = counted(train=50, val=5)
+    assert (limited["train_batches_per_epoch"], limited["val_batches_per_epoch"]) == (50, 5)
+
+
+def test_a_loader_exactly_as_fast_as_the_device_leaves_the_job_compute_bound():
+    f = bill(plan(workers=8), compute_s=0.064, loader_rate=1000)  # 64 images in 0.064 s
+    assert f["bound"] == "compute"
