@@ -371,11 +371,15 @@ RUNS_SNAKEMAKE = {"demo_root", "workflow_copy", "through_memory", "through_lr", 
 
 # The test files that take longest, longest first (docs/benchmarks.md, "Test suite"). run.sh's
 # two pytest-xdist workers take whole files in collection order (--no-loadscope-reorder), so the
-# long files start early and the short ones even out the end; test_reproducibility.py first
+# long files start early and the short ones even out the end (a file of 30 CPU-s left last
+# runs alone on one core); test_reproducibility.py first
 # builds demo_run while the other worker runs files that do not need it.
 LONGEST_FIRST = ("test_reproducibility.py", "test_commands.py", "test_data_flaws.py",
                  "test_lr_validation.py", "test_batch_curve.py", "test_lr.py",
-                 "test_pipeline.py", "test_memory.py", "test_train.py")
+                 "test_pipeline.py", "test_memory.py", "test_train.py", "test_slurm.py",
+                 "test_foundation.py", "test_resume.py", "test_predict.py",
+                 "test_slurm_shapes.py", "test_init_from.py", "test_noise_scale.py",
+                 "test_export.py", "test_hardware.py")
 
 
 def file_rank(item) -> int:
