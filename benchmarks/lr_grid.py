@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lr_choice  # noqa: E402  (the scratch workflow and one training)
+from demo_dag import adopt_orphans, children_cpu, reap_orphans  # noqa: E402
 
 from imgclf import recipes  # noqa: E402
 from imgclf.artifacts import Plan  # noqa: E402
@@ -91,14 +91,6 @@ def cell_of(record: dict) -> Cell:
     return Cell(**{k: record[k] for k in Cell.__dataclass_fields__})
 
 
-def children_cpu() -> float:
-    """CPU-seconds of the finished child processes (a training's ranks: Lightning's second rank
-    is its first rank's child): a training's cost that other work on the machine leaves as it
-    is, where its wall time is not."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def commit() -> str:
     out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True)
@@ -132,6 +124,7 @@ class Trainer:
         t0, cpu0 = time.perf_counter(), children_cpu()
         summary = lr_choice.run_training(self.work, self.config, self.plan, lr, seed, out,
                                          self.epochs)
+        reap_orphans()  # Lightning's second rank outlives the first: its CPU counts once reaped
         record = {**asdict(self.cell), "octave": octave, "lr": lr, "reference_lr": self.reference,
                   "global_batch": self.plan.global_batch, "seed": seed,
                   "top1": round(100 * summary["final"]["val_acc1"], 2),
@@ -248,6 +241,7 @@ def main() -> None:
                    help="stop after this many new trainings (the rest on a rerun)")
     p.add_argument("--table", action="store_true", help="print the recorded grids only")
     args = p.parse_args()
+    adopt_orphans()  # a training's CPU-seconds include both ranks (demo_dag.adopt_orphans)
     records = read_records()
     allowance = Allowance(args.max_new)
     if not args.table:

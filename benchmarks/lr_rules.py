@@ -39,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lr_grid  # noqa: E402  (the grids' records and cells)
+from demo_dag import adopt_orphans, children_cpu, reap_orphans  # noqa: E402
 
 from imgclf import layout, recipes, settings  # noqa: E402
 from imgclf.artifacts import Plan  # noqa: E402
@@ -53,7 +54,7 @@ def choose(rule: str, work: Path) -> dict:
     """The LR `rule` chooses in the cell's workflow `work`, and the CPU-seconds it took."""
     config = settings.load([work / "bench.yaml"])
     plan = Plan.read(str(work / layout.memory("local")), "local")
-    cpu0, t0 = lr_grid.children_cpu(), time.perf_counter()
+    cpu0, t0 = children_cpu(), time.perf_counter()
     found = None
     if rule == "recipe":
         recipe = recipes.get(config["model"]["recipe"])
@@ -63,11 +64,12 @@ def choose(rule: str, work: Path) -> dict:
             layout.lr_validation("local")
         subprocess.run([str(lr_grid.BIN / "snakemake"), "--cores", "2", target, "--configfile",
                         "bench.yaml"], cwd=work, check=True, capture_output=True)
+        reap_orphans()  # the short runs' second ranks, started by Lightning
         summary = json.loads((work / layout.lr_summary("local")).read_text())
         found = summary["training_lr"] / config["lr_finder"]["multiple"]
         lr = summary["training_lr"] if rule == "lr_finder" else \
             json.loads((work / target).read_text())["best"]["lr"]
-    return {"lr": lr, "found_lr": found, "cpu_seconds": round(lr_grid.children_cpu() - cpu0, 1),
+    return {"lr": lr, "found_lr": found, "cpu_seconds": round(children_cpu() - cpu0, 1),
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -113,7 +115,7 @@ def judged(grid_records: list[dict], rule_records: list[dict]) -> dict[str, dict
         cpu = [r["cpu_seconds"] for r in own if "cpu_seconds" in r]
         cells[cell] = (lr_grid.by_octave(own), statistics.mean(cpu) if cpu else None)
     finder_cpu = {lr_grid.cell_of(r): r["cpu_seconds"] for r in rule_records
-                  if r["rule"] == "lr_finder"}
+                  if r["rule"] == "lr_finder" and "cpu_seconds" in r}
     out: dict[str, dict[str, dict]] = {}
     for r in rule_records:
         cell = lr_grid.cell_of(r)
@@ -121,8 +123,10 @@ def judged(grid_records: list[dict], rule_records: list[dict]) -> dict[str, dict
             continue
         rows, training_cpu = cells[cell]
         # the validation's short runs start from the finder's LR: its range tests are its cost too
-        cpu = r["cpu_seconds"] + (finder_cpu.get(cell, 0) if r["rule"] == "validation" else 0)
-        share = cpu / training_cpu if training_cpu else None
+        cpu = r.get("cpu_seconds")  # absent: not counted whole (records before both ranks were)
+        if cpu is not None and r["rule"] == "validation":
+            cpu += finder_cpu.get(cell, 0)
+        share = cpu / training_cpu if cpu is not None and training_cpu else None
         out.setdefault(r["rule"], {})[cell.name()] = {"lr": r["lr"], "share": share,
                                                       **landing(r["lr"], rows)}
     finder = [r for r in rule_records if r["rule"] == "lr_finder" and lr_grid.cell_of(r) in cells]
@@ -163,6 +167,7 @@ def main() -> None:
                    help="lr_grid.py's WORK, where each cell's scratch workflow is")
     p.add_argument("--table", action="store_true", help="judge the recorded choices only")
     args = p.parse_args()
+    adopt_orphans()  # each stage's CPU-seconds include every rank it started
     rules = lr_grid.read_records(RECORDS) if args.table else \
         record_choices(args.rule or list(RULES), args.work.resolve())
     print_table(judged(lr_grid.read_records(), rules))
