@@ -130,7 +130,9 @@ class Trainer:
                   "top1": round(100 * summary["final"]["val_acc1"], 2),
                   "loss": round(summary["final"]["val_loss"], 4),
                   "seconds": round(time.perf_counter() - t0, 1),
-                  "cpu_seconds": round(children_cpu() - cpu0, 1), "commit": commit()}
+                  # a training resumed from an earlier sitting's checkpoints: this part only
+                  "cpu_seconds": round(children_cpu() - cpu0, 1)
+                  if summary.get("attempts", 1) == 1 else None, "commit": commit()}
         RECORDS.parent.mkdir(parents=True, exist_ok=True)
         with RECORDS.open("a") as f:
             f.write(json.dumps(record) + "\n")

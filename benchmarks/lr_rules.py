@@ -112,10 +112,10 @@ def judged(grid_records: list[dict], rule_records: list[dict]) -> dict[str, dict
     cells = {}
     for cell in {lr_grid.cell_of(r) for r in grid_records}:
         own = [r for r in grid_records if lr_grid.cell_of(r) == cell]
-        cpu = [r["cpu_seconds"] for r in own if "cpu_seconds" in r]
+        cpu = [r["cpu_seconds"] for r in own if r.get("cpu_seconds") is not None]
         cells[cell] = (lr_grid.by_octave(own), statistics.mean(cpu) if cpu else None)
     finder_cpu = {lr_grid.cell_of(r): r["cpu_seconds"] for r in rule_records
-                  if r["rule"] == "lr_finder" and "cpu_seconds" in r}
+                  if r["rule"] == "lr_finder" and r.get("cpu_seconds") is not None}
     out: dict[str, dict[str, dict]] = {}
     for r in rule_records:
         cell = lr_grid.cell_of(r)
