@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +42,7 @@ from demo_dag import adopt_orphans, children_cpu, reap_orphans  # noqa: E402
 
 from imgclf import recipes  # noqa: E402
 from imgclf.artifacts import Plan  # noqa: E402
+from imgclf.provenance import git_revision  # noqa: E402
 from imgclf.lr.scaling import recipe_lr  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,9 +92,12 @@ def cell_of(record: dict) -> Cell:
 
 
 def commit() -> str:
-    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
+    """The checkout's revision (provenance.git_revision), short, `+dirty` where tracked files
+    differ from it: such a record was not made by that revision alone."""
+    rev = git_revision(REPO)
+    if rev["revision"] is None:
+        return "unknown"
+    return rev["revision"][:7] + ("+dirty" if rev["dirty"] else "")
 
 
 class Trainer:
