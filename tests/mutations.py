@@ -929,6 +929,12 @@ MUTATIONS = [
              'if True else',
              ('tests/test_slurm_shapes.py::test_imgclf_resources_reads_a_users_own_profile_in_either_form',),
              "a profile without a default runtime ended imgclf resources in a KeyError"),
+    # --- the memory estimate's 16-mixed count ---
+    Mutation('float16-profile-named-bfloat16', 'src/imgclf/memory/estimate.py',
+             'AS_COUNTED = {("16-mixed", "bfloat16"): "float16"}',
+             'AS_COUNTED = {}',
+             ('tests/test_memory.py::test_activation_count_of_a_linear_stack_matches_the_hand_count',),
+             "a 16-mixed plan's activation bytes, counted in bfloat16 on the CPU, were reported as bfloat16"),
 ]
 
 
